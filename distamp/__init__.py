@@ -1,0 +1,28 @@
+"""distamp: apex.amp-style mixed precision for PyTorch DDP/FSDP, correct across ranks.
+
+model, optimizer = distamp.wrap(model, optimizer, opt_level="O2")   # before DDP/FSDP
+with distamp.scale_loss(loss, optimizer) as scaled_loss:
+    scaled_loss.backward()
+optimizer.step()                                                    # skipped on every rank together
+"""
+
+from .config import Properties
+from .forensics import NonFiniteGradientError, NonFiniteReport
+from .scaler import LossScaler
+from .wrap import AmpStats, clip_grad_norm_, scale_loss, stats, unscale_, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpStats",
+    "LossScaler",
+    "NonFiniteGradientError",
+    "NonFiniteReport",
+    "Properties",
+    "__version__",
+    "clip_grad_norm_",
+    "scale_loss",
+    "stats",
+    "unscale_",
+    "wrap",
+]

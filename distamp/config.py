@@ -1,0 +1,343 @@
+"""opt_level presets (apex.amp's O0-O3), the resolved :class:`Properties`, and override validation."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+LossScale = float | Literal["dynamic"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Properties:
+    """The fully resolved mixed-precision settings of one :func:`distamp.wrap` call."""
+
+    opt_level: str
+    """The apex opt_level these properties started from ("O0".."O3")."""
+    enabled: bool = True
+    """False turns every distamp call into a no-op."""
+    half_dtype: torch.dtype = torch.bfloat16
+    """The reduced-precision dtype used by autocast (O1) or by the model's weights (O2/O3)."""
+    cast_model_type: torch.dtype | None = None
+    """dtype the model's floating parameters and buffers are cast to; None leaves them FP32."""
+    patch_torch_functions: bool = False
+    """Run the model's forward under ``torch.autocast`` (O1). Torch itself is never patched."""
+    keep_batchnorm_fp32: bool | None = None
+    """Keep normalization layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm) in FP32."""
+    master_weights: bool = False
+    """The optimizer steps FP32 copies of the half-precision weights."""
+    loss_scale: LossScale = 1.0
+    """A static loss scale, or "dynamic"."""
+    cast_model_outputs: torch.dtype | None = None
+    """dtype floating outputs of the model are cast to; None: FP32 when the model is cast, else as is."""
+    num_losses: int = 1
+    """Number of losses, each with its own loss scaler (``scale_loss(..., loss_id=i)``)."""
+    verbosity: int = 1
+    """0 silences distamp's log lines; 1 logs skipped steps on rank 0, rate-limited."""
+    min_loss_scale: float | None = None
+    """Floor of the dynamic loss scale; a skip at the floor raises instead of looping."""
+    max_loss_scale: float = 2.0**24
+    """Cap of the dynamic loss scale (also caps its initial value 2**16)."""
+    shard_master_weights: bool = False
+    """Each rank holds only its shard of the FP32 masters and of the optimizer state."""
+    max_consecutive_skips: int = 50
+    """Consecutive skipped steps after which distamp raises instead of skipping on."""
+
+    def __post_init__(self) -> None:
+        if self.opt_level not in OPT_LEVELS:
+            raise ValueError(f"opt_level: expected one of {OPT_LEVELS}, got {self.opt_level!r}")
+        if self.half_dtype not in HALF_DTYPES:
+            raise ValueError(f"half_dtype: expected one of {HALF_DTYPES}, got {self.half_dtype}")
+        for name in ("cast_model_type", "cast_model_outputs"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"{name}: expected None or one of {_FLOAT_DTYPES}, got {value!r}")
+        if not isinstance(self.num_losses, int) or self.num_losses < 1:
+            raise ValueError(f"num_losses: expected an int >= 1, got {self.num_losses!r}")
+        if not isinstance(self.verbosity, int) or self.verbosity < 0:
+            raise ValueError(f"verbosity: expected an int >= 0, got {self.verbosity!r}")
+        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
+            raise ValueError(
+                f"max_consecutive_skips: expected an int >= 1, got {self.max_consecutive_skips!r}"
+            )
+        _check_positive_finite("max_loss_scale", self.max_loss_scale)
+        if self.min_loss_scale is not None:
+            _check_positive_finite("min_loss_scale", self.min_loss_scale)
+            if self.min_loss_scale > self.max_loss_scale:
+                raise ValueError(
+                    f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
+                    f"{self.min_loss_scale} > max_loss_scale={self.max_loss_scale}"
+                )
+        if self.loss_scale != "dynamic":
+            _check_positive_finite("loss_scale", self.loss_scale)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale adapts to overflows."""
+        return self.loss_scale == "dynamic"
+
+    @property
+    def model_is_cast(self) -> bool:
+        """True when the model's weights are cast to a half dtype (O2, O3)."""
+        return self.cast_model_type in HALF_DTYPES
+
+    def as_plain_dict(self) -> dict[str, Any]:
+        """The properties as strings, numbers and bools (for checkpoints and fingerprints)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, torch.dtype) else value
+        return out
+
+
+# apex.amp's presets. "half" stands for the resolved half dtype.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(
+        cast_model_type=torch.float32,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=None,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+    "O1": dict(
+        cast_model_type=None,
+        patch_torch_functions=True,
+        keep_batchnorm_fp32=None,
+        master_weights=None,
+        loss_scale="dynamic",
+    ),
+    "O2": dict(
+        cast_model_type="half",
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=True,
+        master_weights=True,
+        loss_scale="dynamic",
+    ),
+    "O3": dict(
+        cast_model_type="half",
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=False,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+}
+
+
+def check_opt_level(opt_level: object) -> str:
+    """Return ``opt_level`` if it names an apex opt_level, else raise with a suggestion."""
+    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
+        return opt_level
+    hint = ""
+    if isinstance(opt_level, (str, int)):
+        digits = str(opt_level).strip().lstrip("0oO")
+        guess = f"O{digits}" if digits else "O0"
+        if guess in OPT_LEVELS:
+            hint = (
+                f" — did you mean {guess!r}? The prefix is the letter O, not the digit zero"
+                if str(opt_level).startswith("0")
+                else f" — did you mean {guess!r}?"
+            )
+    raise ValueError(f"opt_level: expected one of {', '.join(OPT_LEVELS)}, got {opt_level!r}{hint}")
+
+
+def parse_half_dtype(half_dtype: object, device_type: str) -> torch.dtype:
+    """Resolve ``half_dtype`` ("auto" = torch.autocast's default for ``device_type``)."""
+    aliases = {
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
+    if half_dtype == "auto":
+        return (
+            torch.get_autocast_dtype(device_type)
+            if device_type in ("cpu", "cuda")
+            else (torch.bfloat16)
+        )
+    if isinstance(half_dtype, str) and half_dtype in aliases:
+        return aliases[half_dtype]
+    if half_dtype in HALF_DTYPES:
+        assert isinstance(half_dtype, torch.dtype)
+        return half_dtype
+    raise ValueError(
+        f'half_dtype: expected "auto", torch.float16 or torch.bfloat16, got {half_dtype!r}'
+    )
+
+
+def parse_loss_scale(loss_scale: object) -> LossScale:
+    """Accept "dynamic", a number, or a numeric string (apex's command-line habit)."""
+    if loss_scale == "dynamic":
+        return "dynamic"
+    if isinstance(loss_scale, bool):
+        raise ValueError(f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}')
+    if isinstance(loss_scale, (int, float)):
+        value = float(loss_scale)
+    elif isinstance(loss_scale, str):
+        try:
+            value = float(loss_scale)
+        except ValueError:
+            raise ValueError(
+                f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}'
+            ) from None
+    else:
+        raise ValueError(f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}')
+    _check_positive_finite("loss_scale", value)
+    return value
+
+
+def _parse_bool(name: str, value: object) -> bool | None:
+    """apex accepted "True"/"False" strings for its boolean properties; so do we."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("True", "true"):
+        return True
+    if value in ("False", "false"):
+        return False
+    raise ValueError(f"{name}: expected True, False or None, got {value!r}")
+
+
+def _check_positive_finite(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+
+
+def resolve_properties(
+    opt_level: object,
+    *,
+    device_type: str,
+    enabled: bool = True,
+    half_dtype: object = "auto",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: object = None,
+    keep_batchnorm_fp32: object = None,
+    master_weights: object = None,
+    loss_scale: object = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    shard_master_weights: object = None,
+    world_size: int = 1,
+    max_consecutive_skips: int = 50,
+) -> Properties:
+    """Apply user overrides on top of an opt_level preset, refusing the nonsensical ones as apex does."""
+    level = check_opt_level(opt_level)
+    patch_torch_functions = _parse_bool("patch_torch_functions", patch_torch_functions)
+    keep_batchnorm_fp32 = _parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    master_weights = _parse_bool("master_weights", master_weights)
+    shard_master_weights = _parse_bool("shard_master_weights", shard_master_weights)
+
+    if cast_model_type is not None and cast_model_type not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"cast_model_type: expected None or one of {_FLOAT_DTYPES}, got {cast_model_type!r}"
+        )
+    # An explicit half cast_model_type picks the half dtype when half_dtype is left on "auto".
+    if half_dtype == "auto" and cast_model_type in HALF_DTYPES:
+        assert cast_model_type is not None
+        half = cast_model_type
+    else:
+        half = parse_half_dtype(half_dtype, device_type)
+        if cast_model_type in HALF_DTYPES and cast_model_type != half:
+            raise ValueError(
+                f"cast_model_type={cast_model_type} contradicts half_dtype={half}; "
+                "pass only one of them or make them equal"
+            )
+
+    # [Note: apex's refusals] These combinations raised (or warned) in apex.amp's Properties; they
+    # describe a different opt_level than the one named, so we refuse them with the level named.
+    if level == "O1":
+        if cast_model_type not in (None, torch.float32):
+            raise ValueError(
+                f"opt_level O1 keeps the model's weights FP32 and casts inside torch functions "
+                f"(autocast), so cast_model_type must be None or torch.float32, got "
+                f"{cast_model_type}; use opt_level O2 or O3 to cast the weights"
+            )
+        if keep_batchnorm_fp32 is not None:
+            raise ValueError(
+                f"opt_level O1 runs normalization in FP32 through autocast already, so "
+                f"keep_batchnorm_fp32 must be None, got {keep_batchnorm_fp32}"
+            )
+        if master_weights:
+            raise ValueError(
+                "opt_level O1 keeps the model's weights FP32, so master_weights=True makes no "
+                "sense (there is nothing to keep a master copy of); use opt_level O2"
+            )
+    elif patch_torch_functions:
+        raise ValueError(
+            f"patch_torch_functions=True (run forward under torch.autocast) is only valid with "
+            f"opt_level O1, got opt_level {level}"
+        )
+
+    preset = dict(_PRESETS[level])
+    if preset["cast_model_type"] == "half":
+        preset["cast_model_type"] = half
+    chosen: dict[str, Any] = {}
+    for name, value in (
+        ("cast_model_type", cast_model_type),
+        ("patch_torch_functions", patch_torch_functions),
+        ("keep_batchnorm_fp32", keep_batchnorm_fp32),
+        ("master_weights", master_weights),
+    ):
+        chosen[name] = preset[name] if value is None else value
+    chosen["loss_scale"] = (
+        preset["loss_scale"] if loss_scale is None else parse_loss_scale(loss_scale)
+    )
+    if chosen["cast_model_type"] == torch.float32:
+        chosen["cast_model_type"] = None  # FP32 models are left as they are
+    model_is_cast = chosen["cast_model_type"] in HALF_DTYPES
+    if chosen["master_weights"] and not model_is_cast:
+        warnings.warn(
+            f"master_weights=True is ignored with opt_level {level}: the model's weights stay "
+            "FP32, so they are their own master copy",
+            stacklevel=3,
+        )
+        chosen["master_weights"] = False
+    if chosen["keep_batchnorm_fp32"] and not model_is_cast:
+        chosen["keep_batchnorm_fp32"] = None  # nothing is cast, so nothing to keep FP32
+    masters = bool(chosen["master_weights"])
+    if shard_master_weights and not masters:
+        raise ValueError(
+            f"shard_master_weights=True needs FP32 master weights, which opt_level {level} "
+            f"with master_weights={chosen['master_weights']} does not keep"
+        )
+    if shard_master_weights:
+        # [Note: sharded masters] The sharded (ZeRO-1) master optimizer is not part of this
+        # version yet; until it is, the masters are replicated on every rank, which gives the same
+        # numbers at a higher memory cost. Asking for sharding explicitly must not silently get less.
+        raise NotImplementedError(
+            "shard_master_weights=True: sharded FP32 master weights are not available in this "
+            "version of distamp; leave shard_master_weights=None (replicated masters)"
+        )
+    shard = False
+    return Properties(
+        opt_level=level,
+        enabled=enabled,
+        half_dtype=half,
+        cast_model_type=chosen["cast_model_type"],
+        patch_torch_functions=bool(chosen["patch_torch_functions"]),
+        keep_batchnorm_fp32=chosen["keep_batchnorm_fp32"],
+        master_weights=masters,
+        loss_scale=chosen["loss_scale"],
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        shard_master_weights=shard,
+        max_consecutive_skips=max_consecutive_skips,
+    )

@@ -1,0 +1,71 @@
+"""Which parameter first held a non-finite gradient, on which rank, inf or NaN — for skipped steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteReport:
+    """The first non-finite gradient of a skipped step (in parameter order, lowest rank first)."""
+
+    param: str
+    """Qualified name of the parameter whose gradient was non-finite."""
+    rank: int
+    """Lowest rank of the process group on which that gradient was non-finite."""
+    kind: str
+    """"nan" if the gradient held a NaN, else "inf"."""
+
+    def __str__(self) -> str:
+        return f"parameter {self.param!r} had a {self.kind} gradient on rank {self.rank}"
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Raised instead of skipping forever: too many consecutive skips, or a skip at the floor."""
+
+
+_NOT_FOUND = 2**62
+
+
+def locate_nonfinite(
+    named_grads: Sequence[tuple[str, torch.Tensor | None]],
+    group: dist.ProcessGroup | None,
+) -> NonFiniteReport | None:
+    """Collective over ``group``: find the first non-finite gradient of ``named_grads`` on any rank.
+
+    Called only on skipped steps (the decision is already identical on every rank, so every rank
+    gets here together); costs one pass over the gradients and one small all-reduce.
+    """
+    index, kind = _NOT_FOUND, 0
+    for i, (_, grad) in enumerate(named_grads):
+        if grad is None:
+            continue
+        finite = torch.isfinite(grad)
+        if not bool(finite.all()):
+            index, kind = i, 2 if bool(torch.isnan(grad).any()) else 1
+            break
+    rank, world = 0, 1
+    if group is not None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    table = torch.zeros(world, 2, dtype=torch.int64)
+    table[rank, 0], table[rank, 1] = index, kind
+    if world > 1:
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        on_device = table.to(device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=group)
+        table = on_device.cpu()
+    best = int(table[:, 0].min())
+    if best == _NOT_FOUND:
+        return None
+    first_rank = int((table[:, 0] == best).nonzero()[0, 0])
+    return NonFiniteReport(
+        param=named_grads[best][0],
+        rank=first_rank,
+        kind="nan" if int(table[first_rank, 1]) == 2 else "inf",
+    )

@@ -1,0 +1,348 @@
+"""The master-weight optimizer: any ``torch.optim.Optimizer`` stepping FP32 masters, with the skip.
+
+[Note: the optimizer keeps its identity] ``wrap`` gives the user's optimizer a generated subclass
+of its own class (as it does for the model, see [Note: class-level forward]); ``param_groups`` then
+hold the FP32 masters. The object the user holds, its ``param_groups`` dicts and any LR scheduler
+built on it keep working, ``isinstance(opt, torch.optim.AdamW)`` stays true, and ``step`` is a
+class-level method, never an attribute patched onto the instance.
+
+[Note: why grads stay scaled until step()] Gradients are left scaled in the model's ``.grad``
+between ``scale_loss`` blocks and unscaled once, at ``step()`` (or ``unscale_``). Unscaling at the
+end of every backward (apex) needs the grads stashed and zeroed, which breaks DDP's ``no_sync``
+accumulation (the stash never takes part in the all-reduce) and counts backward passes instead of
+optimizer steps. Keeping them scaled makes k micro-batches equal one k-times-larger batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .forensics import NonFiniteReport
+
+if TYPE_CHECKING:
+    from .scaler import ScalerGroup
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is between two steps (torch.amp.GradScaler's state machine)."""
+
+    READY = "ready"
+    """No scaled gradients pending since the last step."""
+    SCALED = "scaled"
+    """``scale_loss`` produced gradients that are still multiplied by the loss scale."""
+    UNSCALED = "unscaled"
+    """``unscale_`` ran: gradients are true gradients and the skip decision is made."""
+
+
+class MasterParams:
+    """The (model parameter, FP32 master) pairs of one optimizer, replicated on every rank.
+
+    A model parameter that stays FP32 (O0/O1, norm layers under O2) is its own master; only
+    parameters that are cast to a half dtype get a separate FP32 copy.
+    """
+
+    def __init__(self, model_params: list[nn.Parameter], masters: list[torch.Tensor]) -> None:
+        assert len(model_params) == len(masters)
+        self.model_params = model_params
+        self.masters = masters
+        self.separate = [m is not p for p, m in zip(model_params, masters, strict=True)]
+
+    @classmethod
+    def take(cls, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> MasterParams:
+        """Replace the params in ``optimizer.param_groups`` that will be cast by FP32 copies.
+
+        Must run before the model is cast, so the masters hold the exact FP32 values.
+        """
+        model_params: list[nn.Parameter] = []
+        masters: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            new_params = []
+            for param in group["params"]:
+                if id(param) in cast_ids:
+                    master = param.detach().clone(memory_format=torch.preserve_format)
+                    master.requires_grad_(param.requires_grad)
+                    if param in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(param)
+                else:
+                    master = param
+                model_params.append(param)
+                masters.append(master)
+                new_params.append(master)
+            group["params"] = new_params
+        return cls(model_params, masters)
+
+    def model_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model_params]
+
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        """Put ``grad * inv_scale`` in FP32 on the masters; return a 0/1 flag of non-finite grads."""
+        grads: list[torch.Tensor] = []
+        for param, master, separate in zip(
+            self.model_params, self.masters, self.separate, strict=True
+        ):
+            if param.grad is None:
+                if separate:
+                    master.grad = None
+                continue
+            if separate:
+                master.grad = param.grad.detach().to(torch.float32)
+            grads.append(master.grad if separate else param.grad)  # type: ignore[arg-type]
+        return _check_and_unscale(grads, inv_scale, self._device())
+
+    def check(self) -> torch.Tensor:
+        """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
+        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
+
+    def copy_to_model(self) -> None:
+        """Refresh the half model weights from the masters after a step."""
+        pairs = [(p, m) for p, m, s in zip(*self._zip(), strict=True) if s]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def reload_masters_from_model(self) -> None:
+        """Take the masters from the model (after the model's weights were loaded)."""
+        with torch.no_grad():
+            for param, master, separate in zip(*self._zip(), strict=True):
+                if separate:
+                    master.copy_(param)
+
+    def release_master_grads(self) -> None:
+        for master, separate in zip(self.masters, self.separate, strict=True):
+            if separate:
+                master.grad = None
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        for param in self.model_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+        self.release_master_grads()
+
+    def rescale_grads_(self, factor: float) -> None:
+        grads = [p.grad for p in self.model_params if p.grad is not None]
+        if grads and factor != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
+
+    def master_bytes(self) -> int:
+        return sum(
+            m.numel() * m.element_size()
+            for m, s in zip(self.masters, self.separate, strict=True)
+            if s
+        )
+
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
+        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
+
+    def _zip(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
+        return self.model_params, self.masters, self.separate
+
+    def _device(self) -> torch.device:
+        for param in self.model_params:
+            return param.device
+        return torch.device("cpu")
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A float32 tensor holding 1.0 if any of ``tensors`` holds inf/NaN, else 0.0 (no host sync)."""
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    for group in _by_device_and_dtype(tensors).values():
+        # The max-abs norm is inf/NaN exactly when some element is; one fused read-only pass.
+        norms = torch.stack([n.float() for n in torch._foreach_norm(group, ord=float("inf"))])
+        bad = (~torch.isfinite(norms)).any().float().reshape(1)
+        flag = torch.maximum(flag, bad.to(device))
+    return flag
+
+
+def _check_and_unscale(
+    grads: list[torch.Tensor], inv_scale: float, device: torch.device
+) -> torch.Tensor:
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    for (dev, _), group in _by_device_and_dtype(grads).items():
+        found = torch.zeros(1, dtype=torch.float32, device=dev)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        flag = torch.maximum(flag, found.to(device))
+    return flag
+
+
+def _by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        out[(tensor.device, tensor.dtype)].append(tensor)
+    return out
+
+
+class AmpOptimizerState:
+    """What distamp keeps for one wrapped optimizer (``optimizer._distamp``)."""
+
+    def __init__(self, group: ScalerGroup, index: int, masters: MasterParams) -> None:
+        self.group = group
+        self.index = index
+        self.masters = masters
+        self.state = OptState.READY
+        self.grad_scale: float | None = None
+        """The loss scale the model's ``.grad`` currently carry; None when none are pending."""
+        self.losses: set[int] = set()
+        """loss_ids that produced gradients for this optimizer since its last step."""
+        self.seen_nonfinite: torch.Tensor | None = None
+        """For per-loss attribution with several losses: grads were already non-finite."""
+        self.overflow: bool | None = None
+        """The global decision, once made for the pending step."""
+        self.decided_here = False
+        """This optimizer's step made the decision (others sharing its losses reuse it)."""
+        self.last_nonfinite: NonFiniteReport | None = None
+        self.steps = 0
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.warned_unscaled_step = False
+
+    def reset_after_step(self) -> None:
+        self.state = OptState.READY
+        self.grad_scale = None
+        self.losses.clear()
+        self.seen_nonfinite = None
+        self.overflow = None
+        self.masters.release_master_grads()
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """Mixin placed in front of the user's optimizer class; see [Note: the optimizer keeps its identity]."""
+
+    _distamp: AmpOptimizerState
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Unscale, take the global skip decision, step the FP32 masters, refresh the model weights.
+
+        A collective over the wrapped process group when distributed (one MAX all-reduce of the
+        found-inf flags, none when another optimizer of the same losses already decided).
+        """
+        if closure is not None:
+            raise ValueError(
+                "optimizer.step(closure): distamp does not support closures (the loss must go "
+                "through distamp.scale_loss); call step() without a closure"
+            )
+        st = self._distamp
+        if st.state is OptState.READY:
+            if all(g is None for g in st.masters.model_grads()):
+                raise RuntimeError(
+                    "optimizer.step() was called but no gradients were produced since the last "
+                    "step: run backward on the loss inside `with distamp.scale_loss(loss, "
+                    "optimizer) as scaled_loss:` first"
+                )
+            if not st.warned_unscaled_step:
+                warnings.warn(
+                    "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
+                    "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies",
+                    stacklevel=2,
+                )
+                st.warned_unscaled_step = True
+            st.grad_scale = 1.0
+        if st.state is not OptState.UNSCALED:
+            st.group.unscale_and_decide(st)
+        assert st.overflow is not None
+        st.steps += 1
+        st.last_step_skipped = st.overflow
+        try:
+            if st.overflow:
+                st.skipped_steps += 1
+                st.group.after_skip(st)
+            else:
+                super().step()
+                st.masters.copy_to_model()
+        finally:
+            st.reset_after_step()
+        return None
+
+    # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
+    # inner class's step, which is hooked already). Mark it as hooked so torch leaves it alone.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the *model's* gradients (the param_groups hold the masters) and master grads."""
+        st = self._distamp
+        st.masters.zero_model_grads(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+        st.state = OptState.READY
+        st.grad_scale = None
+        st.losses.clear()
+        st.seen_nonfinite = None
+        st.overflow = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus ``"distamp"``: masters, scalers, step counters.
+
+        Plain tensors and numbers only; loads with ``torch.load(weights_only=True)``.
+        """
+        out = super().state_dict()
+        st = self._distamp
+        out["distamp"] = {
+            "masters": [
+                m.detach().clone()
+                for m, s in zip(st.masters.masters, st.masters.separate, strict=True)
+                if s
+            ],
+            "steps": st.steps,
+            "skipped_steps": st.skipped_steps,
+            "scalers": [s.state_dict() for s in st.group.scalers],
+            "properties": st.group.props.as_plain_dict(),
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: inner state, FP32 masters, scalers, counters."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("distamp", None)
+        st = self._distamp
+        if extra is None:
+            raise ValueError(
+                "optimizer.load_state_dict: expected a state dict saved from a distamp-wrapped "
+                "optimizer (with a 'distamp' entry), got one without it"
+            )
+        masters = [m for m, s in zip(st.masters.masters, st.masters.separate, strict=True) if s]
+        saved = extra["masters"]
+        if len(saved) != len(masters):
+            raise ValueError(
+                f"optimizer.load_state_dict: expected {len(masters)} FP32 master tensors, "
+                f"found {len(saved)}"
+            )
+        for i, (mine, theirs) in enumerate(zip(masters, saved, strict=True)):
+            if mine.shape != theirs.shape:
+                raise ValueError(
+                    f"optimizer.load_state_dict: master {i} has shape {tuple(mine.shape)} here, "
+                    f"{tuple(theirs.shape)} in the state dict"
+                )
+        scalers = extra["scalers"]
+        if len(scalers) != len(st.group.scalers):
+            raise ValueError(
+                f"optimizer.load_state_dict: expected {len(st.group.scalers)} loss scalers "
+                f"(num_losses), found {len(scalers)}"
+            )
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for mine, theirs in zip(masters, saved, strict=True):
+                mine.copy_(theirs)
+        for scaler, saved_scaler in zip(st.group.scalers, scalers, strict=True):
+            scaler.load_state_dict(saved_scaler)
+        st.steps = int(extra["steps"])
+        st.skipped_steps = int(extra["skipped_steps"])
+        st.masters.copy_to_model()
+
+
+def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
+    """A subclass of ``cls`` with :class:`AmpOptimizer` in front; same name, so reprs read as before."""
+    return type(cls.__name__, (AmpOptimizer, cls), {"__module__": cls.__module__})

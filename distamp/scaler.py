@@ -1,0 +1,326 @@
+"""LossScaler: dynamic or static loss scale of one loss, and the global found-inf decision.
+
+[Note: one decision for all ranks] Each rank checks the gradients it holds for inf/NaN and the
+flags are reduced with MAX over the process group before anything is decided, so every rank skips
+or steps the same optimizer step and updates the scale identically — also when the non-finite value
+exists on one rank only (a local fault, or sharded gradients that no other rank sees). The scale is
+a Python float, identical on all ranks by construction; it only changes inside :meth:`update`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .forensics import NonFiniteGradientError, NonFiniteReport, locate_nonfinite
+
+if TYPE_CHECKING:
+    from .config import Properties
+    from .optim import AmpOptimizerState
+
+logger = logging.getLogger("distamp")
+
+INIT_SCALE = 2.0**16
+GROWTH_FACTOR = 2.0
+BACKOFF_FACTOR = 0.5
+GROWTH_INTERVAL = 2000
+
+
+class LossScaler:
+    """The loss scale of one loss: static, or dynamic with growth, backoff, hysteresis and bounds."""
+
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        *,
+        init_scale: float = INIT_SCALE,
+        growth_factor: float = GROWTH_FACTOR,
+        backoff_factor: float = BACKOFF_FACTOR,
+        growth_interval: int = GROWTH_INTERVAL,
+        hysteresis: int = 1,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float = 2.0**24,
+    ) -> None:
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor: expected > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor: expected in (0, 1), got {backoff_factor}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval!r}")
+        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+            raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        self.dynamic = loss_scale == "dynamic"
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = max_loss_scale
+        if self.dynamic:
+            scale = min(init_scale, max_loss_scale)
+            if min_loss_scale is not None:
+                scale = max(scale, min_loss_scale)
+        else:
+            scale = float(loss_scale)
+        self.scale: float = scale
+        self.clean_steps = 0
+        """Consecutive steps without overflow since the last scale change."""
+        self.hysteresis_left = hysteresis
+        self.consecutive_skips = 0
+        self.skipped_at_floor = False
+        """The last overflow happened when the scale could not back off any further."""
+
+    @property
+    def at_floor(self) -> bool:
+        """True when the scale cannot back off any further."""
+        return self.min_loss_scale is not None and self.scale <= self.min_loss_scale
+
+    def update(self, overflow: bool) -> None:
+        """Advance the scale by one optimizer step; ``overflow`` must be the global decision."""
+        if overflow:
+            self.consecutive_skips += 1
+            self.clean_steps = 0
+            self.skipped_at_floor = self.at_floor
+            if not self.dynamic:
+                return
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                backed_off = self.scale * self.backoff_factor
+                if self.min_loss_scale is not None:
+                    backed_off = max(backed_off, self.min_loss_scale)
+                self.scale = backed_off
+                self.hysteresis_left = self.hysteresis
+            return
+        self.consecutive_skips = 0
+        if not self.dynamic:
+            return
+        self.hysteresis_left = self.hysteresis
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.clean_steps = 0
+            grown = min(self.scale * self.growth_factor, self.max_loss_scale)
+            # Growth never makes the scale non-finite, whatever max_loss_scale is.
+            if math.isfinite(grown):
+                self.scale = grown
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers only; loads with ``torch.load(weights_only=True)``."""
+        return {
+            "dynamic": self.dynamic,
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+            "consecutive_skips": self.consecutive_skips,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch."""
+        expected = {"dynamic", "scale", "clean_steps", "hysteresis_left", "consecutive_skips"}
+        if set(state) != expected:
+            raise ValueError(
+                f"loss scaler state: expected keys {sorted(expected)}, got {sorted(state)}"
+            )
+        if bool(state["dynamic"]) != self.dynamic:
+            raise ValueError(
+                f"loss scaler state: saved with a {'dynamic' if state['dynamic'] else 'static'} "
+                f"loss scale, loading into a {'dynamic' if self.dynamic else 'static'} one"
+            )
+        scale = float(state["scale"])
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"loss scaler state: expected a positive finite scale, got {scale}")
+        self.scale = scale
+        self.clean_steps = int(state["clean_steps"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+
+
+def all_reduce_max_(flags: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Collective over ``group`` (when distributed): element-wise MAX of ``flags`` across ranks.
+
+    Must be called on every rank of ``group`` with a tensor of the same shape. ``group=None`` with
+    no initialized process group is the single-process case and does nothing.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return flags
+    backend = dist.get_backend(group)
+    if backend == "nccl" and flags.device.type != "cuda":
+        on_device = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+        flags.copy_(on_device)
+    else:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags
+
+
+class ScalerGroup:
+    """The loss scalers of one :func:`distamp.wrap` call and the per-step skip decision.
+
+    Shared by every optimizer of that call: an optimizer steps or skips according to the losses it
+    took part in since its last step (apex's multiple-models/optimizers/losses semantics), and each
+    loss's scaler is updated once per optimizer step, when its overflow is first decided.
+    """
+
+    def __init__(
+        self,
+        props: Properties,
+        process_group: dist.ProcessGroup | None,
+        param_names: dict[int, str],
+    ) -> None:
+        self.props = props
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.param_names = param_names
+        self.scalers = [
+            LossScaler(
+                props.loss_scale,
+                min_loss_scale=props.min_loss_scale,
+                max_loss_scale=props.max_loss_scale,
+            )
+            for _ in range(props.num_losses)
+        ]
+        self.optimizers: list[AmpOptimizerState] = []
+        n = props.num_losses
+        self._users: list[list[AmpOptimizerState]] = [[] for _ in range(n)]
+        self._exit_flags: list[torch.Tensor | None] = [None] * n
+        self._overflow: list[bool | None] = [None] * n
+        self.total_skips = 0
+        self.last_nonfinite: NonFiniteReport | None = None
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def prepare_backward(self, loss_id: int, states: list[AmpOptimizerState]) -> float:
+        """Pick the scale the backward of ``loss_id`` runs at; returns it.
+
+        [Note: several losses, several scales] Gradients stay scaled until step() (see [Note: why
+        grads stay scaled until step()]), so all contributions to one optimizer's gradients must
+        carry the same scale. When a loss with a different scale joins gradients already pending,
+        the backward runs at the smaller of the two and the pending gradients are rescaled down
+        to it by a power of two (exact, never an overflow). With ``num_losses == 1`` this never
+        happens.
+        """
+        if self._overflow[loss_id] is not None:  # decided already: a new step begins for this loss
+            self._users[loss_id] = []
+            self._exit_flags[loss_id] = None
+            self._overflow[loss_id] = None
+        scale = self.scalers[loss_id].scale
+        pending = [st.grad_scale for st in states if st.grad_scale is not None]
+        if pending:
+            scale = min(scale, *pending)
+        for st in states:
+            if st.grad_scale is not None and st.grad_scale != scale:
+                st.masters.rescale_grads_(scale / st.grad_scale)
+                st.grad_scale = scale
+        return scale
+
+    def finish_backward(self, loss_id: int, states: list[AmpOptimizerState], scale: float) -> None:
+        """Record that ``loss_id`` produced gradients at ``scale`` for these optimizers."""
+        from .optim import OptState
+
+        attribute = self.props.num_losses > 1
+        for st in states:
+            st.grad_scale = scale
+            st.state = OptState.SCALED
+            st.losses.add(loss_id)
+            if st not in self._users[loss_id]:
+                self._users[loss_id].append(st)
+            if attribute:
+                # Which loss made the grads non-finite: only what became non-finite in this backward.
+                now = st.masters.check()
+                seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)
+                new = now * (1 - seen)
+                previous = self._exit_flags[loss_id]
+                self._exit_flags[loss_id] = (
+                    new if previous is None else torch.maximum(previous, new)
+                )
+                st.seen_nonfinite = torch.maximum(seen, now)
+
+    # -- step ------------------------------------------------------------------------------------
+
+    def unscale_and_decide(self, st: AmpOptimizerState) -> None:
+        """Collective (see [Note: one decision for all ranks]): unscale ``st``'s grads, decide the skip.
+
+        One MAX all-reduce of a few flags — one per loss decided here — unless every loss ``st``
+        took part in was decided by another optimizer's step already (then none).
+        """
+        from .optim import OptState
+
+        assert st.grad_scale is not None
+        own = st.masters.unscale_and_check(1.0 / st.grad_scale)
+        losses = sorted(st.losses)
+        undecided = [j for j in losses if self._overflow[j] is None]
+        st.decided_here = bool(undecided) or not losses
+        if losses and not undecided:
+            st.overflow = any(bool(self._overflow[j]) for j in losses)
+        else:
+            flags = [own] if not losses else [self._loss_flag(j, st, own) for j in undecided]
+            vector = all_reduce_max_(
+                torch.cat([f.to(own.device) for f in flags]), self.process_group
+            )
+            result = [v > 0 for v in vector.tolist()]
+            if not losses:
+                st.overflow = result[0]
+            else:
+                for j, overflow in zip(undecided, result, strict=True):
+                    self._overflow[j] = overflow
+                    self.scalers[j].update(overflow)
+                st.overflow = any(bool(self._overflow[j]) for j in losses)
+        st.state = OptState.UNSCALED
+
+    def _loss_flag(self, loss_id: int, st: AmpOptimizerState, own: torch.Tensor) -> torch.Tensor:
+        flag = self._exit_flags[loss_id]
+        if flag is None:
+            flag = torch.zeros_like(own)
+        for user in self._users[loss_id]:
+            now = own if user is st else user.masters.check().to(own.device)
+            if user.seen_nonfinite is not None:  # attributed to a loss at its backward already
+                now = now * (1 - user.seen_nonfinite.to(own.device))
+            flag = torch.maximum(flag.to(own.device), now)
+        return flag
+
+    def after_skip(self, st: AmpOptimizerState) -> None:
+        """Collective: name the first non-finite gradient, log it, and stop a hopeless loop."""
+        if not st.decided_here:
+            return
+        self.total_skips += 1
+        overflowed = [j for j in sorted(st.losses) if self._overflow[j]]
+        involved: list[AmpOptimizerState] = [st]
+        for j in overflowed:
+            involved += [u for u in self._users[j] if u not in involved]
+        named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
+        report = locate_nonfinite(named, self.process_group)
+        self.last_nonfinite = report
+        st.last_nonfinite = report
+        scales = ", ".join(f"{self.scalers[j].scale:g}" for j in overflowed) or "unchanged"
+        what = str(report) if report is not None else "non-finite gradients"
+        if self.props.verbosity >= 1 and self.rank == 0 and _rate_limited(self.total_skips):
+            logger.warning(
+                "distamp: skipping optimizer step (%d skipped so far): %s; loss scale now %s",
+                self.total_skips,
+                what,
+                scales,
+            )
+        for j in overflowed:
+            scaler = self.scalers[j]
+            limit = self.props.max_consecutive_skips
+            if scaler.consecutive_skips >= limit or scaler.skipped_at_floor:
+                reason = (
+                    f"{scaler.consecutive_skips} consecutive optimizer steps were skipped"
+                    if scaler.consecutive_skips >= limit
+                    else f"a step was skipped at the minimum loss scale {scaler.min_loss_scale:g}"
+                )
+                if not scaler.dynamic:
+                    reason += f" with a static loss scale of {scaler.scale:g}"
+                raise NonFiniteGradientError(
+                    f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "
+                    "look for a NaN/inf produced by the forward pass or the loss itself "
+                    "(max_consecutive_skips / min_loss_scale set this limit)"
+                )
+
+
+def _rate_limited(count: int) -> bool:
+    """Log the first 10 skips, then every power of two."""
+    return count <= 10 or (count & (count - 1)) == 0

@@ -1,0 +1,414 @@
+"""``wrap()``, ``scale_loss()``, ``stats()``, ``unscale_()`` and ``clip_grad_norm_()``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import casting
+from .casting import NORM_TYPES
+from .config import Properties, check_opt_level, resolve_properties
+from .forensics import NonFiniteReport
+from .optim import AmpOptimizer, AmpOptimizerState, MasterParams, OptState, amp_optimizer_class
+from .scaler import ScalerGroup
+
+_DISABLED = "_distamp_disabled"
+"""Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmpStats:
+    """What :func:`stats` reports about one wrapped optimizer on this rank."""
+
+    steps: int
+    """``optimizer.step()`` calls since wrap (or since the loaded state), skipped ones included."""
+    skipped_steps: int
+    """Steps skipped because a gradient was inf/NaN on some rank."""
+    last_step_skipped: bool
+    """Whether the most recent ``step()`` was skipped."""
+    loss_scales: tuple[float, ...]
+    """The current scale of each loss (``num_losses`` entries)."""
+    master_bytes: int
+    """Bytes of FP32 master weights held by this rank (0 when the weights are their own masters)."""
+    optimizer_state_bytes: int
+    """Bytes of optimizer state (e.g. Adam's moments) held by this rank."""
+    last_nonfinite: NonFiniteReport | None = None
+    """The first non-finite gradient of the last skipped step, when one was found."""
+
+
+def wrap(
+    models: Any,
+    optimizers: Any = None,
+    *,
+    opt_level: str = "O1",
+    enabled: bool = True,
+    half_dtype: Any = "auto",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    shard_master_weights: bool | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    max_consecutive_skips: int = 50,
+) -> Any:
+    """Prepare FP32 model(s) and optimizer(s) for mixed precision at ``opt_level`` (apex.amp.initialize).
+
+    Call it before DistributedDataParallel/FSDP. The models are cast in place and keep their
+    identity; the optimizers keep their identity and step FP32 master weights from now on. A single
+    model/optimizer in gives a single one out, lists give lists in the same order; with
+    ``optimizers=None`` only the model(s) are returned. ``enabled=False`` returns the inputs
+    untouched and makes every other distamp call a no-op.
+    """
+    model_list, models_listed = _as_list(models, nn.Module, "models")
+    opt_list, opts_listed = (
+        ([], False)
+        if optimizers is None
+        else _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    )
+    device_type = casting.device_type_of(model_list[0]) if model_list else "cpu"
+    group = process_group
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    world_size = dist.get_world_size(group) if group is not None else 1
+    if not enabled:
+        check_opt_level(opt_level)
+        props = resolve_properties(
+            opt_level, device_type=device_type, enabled=False, num_losses=num_losses
+        )
+        for opt in opt_list:
+            setattr(opt, _DISABLED, props)
+        return _same_shape(model_list, models_listed, opt_list, opts_listed, optimizers is None)
+
+    props = resolve_properties(
+        opt_level,
+        device_type=device_type,
+        half_dtype=half_dtype,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        shard_master_weights=shard_master_weights,
+        world_size=world_size,
+        max_consecutive_skips=max_consecutive_skips,
+    )
+    names = _check_models(model_list)
+    _check_optimizers(opt_list, names)
+
+    cast_ids = _params_to_cast(model_list, props) if props.master_weights else set()
+    masters = [MasterParams.take(opt, cast_ids) for opt in opt_list]
+    for model in model_list:
+        casting.cast_model(model, props, device_type)
+    scalers = ScalerGroup(props, group, names)
+    for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
+        _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
+    return _same_shape(model_list, models_listed, opt_list, opts_listed, optimizers is None)
+
+
+def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        for i, item in enumerate(items):
+            if not isinstance(item, kind):
+                raise TypeError(
+                    f"{name}[{i}]: expected a {kind.__name__}, got {type(item).__name__}"
+                )
+        if not items:
+            raise ValueError(f"{name}: expected at least one {kind.__name__}, got an empty list")
+        if len({id(i) for i in items}) != len(items):
+            raise ValueError(f"{name}: the same {kind.__name__} appears more than once in the list")
+        return items, True
+    raise TypeError(
+        f"{name}: expected a {kind.__name__} or a list of them, got {type(value).__name__}"
+    )
+
+
+def _same_shape(
+    models: list[Any], models_listed: bool, opts: list[Any], opts_listed: bool, no_opts: bool
+) -> Any:
+    out_models = models if models_listed else models[0]
+    if no_opts:
+        return out_models
+    return out_models, (opts if opts_listed else opts[0])
+
+
+def _check_models(models: list[nn.Module]) -> dict[int, str]:
+    """Refuse models wrapped already, under DDP/FSDP, or holding half weights; return param names."""
+    names: dict[int, str] = {}
+    for i, model in enumerate(models):
+        where = "model" if len(models) == 1 else f"models[{i}]"
+        if casting.is_wrapped(model):
+            raise ValueError(f"{where} was already wrapped by distamp.wrap; wrap each model once")
+        wrapper = casting.data_parallel_wrapper_name(model)
+        if wrapper is not None:
+            raise ValueError(
+                f"{where}: distamp.wrap must be called before DistributedDataParallel/"
+                f"DataParallel/FSDP, but found {wrapper}; call distamp.wrap(model, optimizer) on "
+                "the plain model first, then wrap the result with DDP/FSDP"
+            )
+        floating = 0
+        for pname, param in model.named_parameters():
+            qualified = pname if len(models) == 1 else f"models[{i}].{pname}"
+            names.setdefault(id(param), qualified)
+            if not param.is_floating_point():
+                continue
+            floating += 1
+            if param.dtype != torch.float32:
+                raise ValueError(
+                    f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "
+                    "torch.float32: hand distamp.wrap an FP32 model (do not call .half() or "
+                    ".bfloat16() yourself); the opt_level decides what is cast"
+                )
+        if floating == 0:
+            raise ValueError(
+                f"{where} ({type(model).__name__}) has no floating-point parameters: expected a "
+                "model with trainable FP32 weights"
+            )
+    return names
+
+
+def _check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> None:
+    seen: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+        if isinstance(opt, AmpOptimizer):
+            raise ValueError(
+                f"{where} was already wrapped by distamp.wrap; wrap each optimizer once"
+            )
+        for g, group in enumerate(opt.param_groups):
+            for k, param in enumerate(group["params"]):
+                if id(param) not in names:
+                    raise ValueError(
+                        f"{where}: param_groups[{g}]['params'][{k}] (shape {tuple(param.shape)}, "
+                        f"dtype {param.dtype}) is not a parameter of the model(s) passed to "
+                        "wrap: expected every optimized parameter to belong to a wrapped model"
+                    )
+                if id(param) in seen and seen[id(param)] != i:
+                    raise ValueError(
+                        f"{where}: parameter {names[id(param)]!r} is also held by "
+                        f"optimizers[{seen[id(param)]}]: expected each parameter in one optimizer"
+                    )
+                seen[id(param)] = i
+
+
+def _params_to_cast(models: list[nn.Module], props: Properties) -> set[int]:
+    """ids of the parameters that ``cast_model`` will cast to the half dtype."""
+    keep: set[int] = set()
+    if props.keep_batchnorm_fp32:
+        for model in models:
+            for module in model.modules():
+                if isinstance(module, NORM_TYPES):
+                    keep.update(id(p) for p in module.parameters(recurse=False))
+    return {
+        id(p)
+        for model in models
+        for p in model.parameters()
+        if p.is_floating_point() and id(p) not in keep
+    }
+
+
+def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:
+    opt.__class__ = amp_optimizer_class(type(opt))
+    opt._distamp = state  # type: ignore[attr-defined]
+    state.group.optimizers.append(state)
+    # An LR scheduler built before wrap stored a wrapper of the *old* class's step on the instance
+    # (lr_scheduler.patch_track_step_called); rebuild it around the new class's step.
+    instance_step = opt.__dict__.get("step")
+    if instance_step is not None and getattr(instance_step, "_wrapped_by_lr_sched", False):
+        opt.__dict__["step"] = _scheduler_tracked_step(opt)
+
+
+def _scheduler_tracked_step(opt: torch.optim.Optimizer) -> Any:
+    import weakref
+
+    opt_ref = weakref.ref(opt)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        target = opt_ref()
+        assert target is not None
+        target._opt_called = True  # type: ignore[attr-defined]
+        return type(target).step(target, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
+
+
+# -- per-step API -------------------------------------------------------------------------------
+
+
+def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Properties | None]:
+    """The distamp states of ``optimizers``; ([], props) when they were wrapped with enabled=False."""
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts:
+        raise ValueError(f"{what}: expected at least one optimizer, got an empty list")
+    disabled = [getattr(o, _DISABLED, None) for o in opts]
+    if all(d is not None for d in disabled):
+        return [], disabled[0]
+    states = []
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, AmpOptimizer):
+            raise TypeError(
+                f"{what}: optimizer {i} ({type(opt).__name__}) was not returned by distamp.wrap: "
+                "expected the optimizer(s) from `model, optimizer = distamp.wrap(model, optimizer)`"
+            )
+        states.append(opt._distamp)
+    groups = {id(st.group) for st in states}
+    if len(groups) > 1:
+        raise ValueError(
+            f"{what}: the optimizers come from different distamp.wrap calls; expected optimizers "
+            "wrapped together (their losses share one set of loss scalers)"
+        )
+    return states, None
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_id: int = 0,
+    delay_unscale: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield ``loss.float() * scale``; call ``backward()`` on it inside the block (apex.amp.scale_loss).
+
+    Gradients stay scaled until ``optimizer.step()`` (see [Note: why grads stay scaled until
+    step()]), so several blocks before one step accumulate correctly, also under DDP ``no_sync``;
+    the skip decision and the scale update happen once, in ``step()``. ``delay_unscale`` is
+    accepted for apex compatibility: distamp always delays unscaling to ``step()``.
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"scale_loss: expected the loss as a torch.Tensor, got {type(loss).__name__}"
+        )
+    states, disabled = _states(optimizers, "scale_loss")
+    if disabled is not None:
+        yield loss
+        return
+    group = states[0].group
+    if not isinstance(loss_id, int) or not 0 <= loss_id < group.props.num_losses:
+        raise ValueError(
+            f"scale_loss: loss_id must be in [0, num_losses={group.props.num_losses}), got "
+            f"{loss_id!r}; pass num_losses to distamp.wrap to use more losses"
+        )
+    for st in states:
+        if st.state is OptState.UNSCALED:
+            raise RuntimeError(
+                "scale_loss: unscale_() (or clip_grad_norm_) was already called on this optimizer "
+                "since the last step(); expected step() before the next backward"
+            )
+    scale = group.prepare_backward(loss_id, states)
+    yield loss.float() * scale
+    group.finish_backward(loss_id, states, scale)
+
+
+def unscale_(optimizer: torch.optim.Optimizer) -> None:
+    """Unscale the pending gradients of ``optimizer`` now and make the step's skip decision.
+
+    A collective over the wrapped process group (see ``optimizer.step``). Use it before inspecting
+    or clipping gradients; ``step()`` then uses the decision without another collective.
+    """
+    states, disabled = _states(optimizer, "unscale_")
+    if disabled is not None:
+        return
+    (st,) = states
+    if st.state is OptState.UNSCALED:
+        raise RuntimeError(
+            "unscale_() has already been called on this optimizer since the last step()"
+        )
+    if st.state is OptState.READY:
+        raise RuntimeError(
+            "unscale_() was called but no distamp.scale_loss() backward ran on this optimizer since "
+            "the last step(); expected `with distamp.scale_loss(loss, optimizer) as s: "
+            "s.backward()` first"
+        )
+    st.group.unscale_and_decide(st)
+
+
+def clip_grad_norm_(
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clip the unscaled gradients the optimizer will step to a global norm of ``max_norm``.
+
+    Unscales first when :func:`unscale_` was not called. Returns the total norm before clipping
+    (inf/NaN when the step will be skipped; nothing is clipped then). With replicated masters the
+    reduced gradients are identical on every rank, so the norm needs no collective.
+    """
+    states, disabled = _states(optimizer, "clip_grad_norm_")
+    if disabled is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    (st,) = states
+    if st.state is OptState.SCALED:
+        st.group.unscale_and_decide(st)
+    elif st.state is OptState.READY:
+        raise RuntimeError(
+            "clip_grad_norm_() was called but no distamp.scale_loss() backward ran on this "
+            "optimizer since the last step()"
+        )
+    grads = [
+        (m.grad if s else p.grad)
+        for p, m, s in zip(
+            st.masters.model_params, st.masters.masters, st.masters.separate, strict=True
+        )
+    ]
+    present = [g for g in grads if g is not None]
+    if st.overflow:
+        return torch.tensor(float("inf"))
+    if not present:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(present, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(present, max_norm, total)
+    return total
+
+
+def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
+    """This rank's counters, loss scales and memory for a wrapped optimizer."""
+    states, disabled = _states(optimizer, "stats")
+    if disabled is not None:
+        return AmpStats(
+            steps=0,
+            skipped_steps=0,
+            last_step_skipped=False,
+            loss_scales=(1.0,) * disabled.num_losses,
+            master_bytes=0,
+            optimizer_state_bytes=_state_bytes(optimizer),
+        )
+    (st,) = states
+    return AmpStats(
+        steps=st.steps,
+        skipped_steps=st.skipped_steps,
+        last_step_skipped=st.last_step_skipped,
+        loss_scales=tuple(s.scale for s in st.group.scalers),
+        master_bytes=st.masters.master_bytes(),
+        optimizer_state_bytes=_state_bytes(optimizer),
+        last_nonfinite=st.last_nonfinite,
+    )
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total

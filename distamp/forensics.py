@@ -21,7 +21,8 @@ class NonFiniteReport:
     """"nan" if the gradient held a NaN, else "inf"."""
 
     def __str__(self) -> str:
-        return f"parameter {self.param!r} had a {self.kind} gradient on rank {self.rank}"
+        article = "an inf" if self.kind == "inf" else "a NaN"
+        return f"parameter {self.param!r} had {article} gradient on rank {self.rank}"
 
 
 class NonFiniteGradientError(RuntimeError):

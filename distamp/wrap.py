@@ -377,7 +377,9 @@ def clip_grad_norm_(
     if not present:
         return torch.tensor(0.0)
     total = torch.nn.utils.get_total_norm(present, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(present, max_norm, total)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        torch._foreach_mul_(present, coef.to(present[0].device))
     return total
 
 

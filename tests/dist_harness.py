@@ -1,0 +1,85 @@
+"""Run a function on N real gloo ranks (spawned processes, file:// rendezvous) and collect results."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    args: tuple[Any, ...],
+) -> None:
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, result_path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        raise
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``fn`` must be a module-level function (spawned processes import it). A rank that raises makes
+    this raise with that rank's traceback; a hang is killed after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="distamp-test-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, rank, world_size, init_file, tmp, args))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout)
+        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        outcomes = []
+        errors = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
+                outcomes.append(None)
+                continue
+            outcome = torch.load(path, weights_only=False)
+            if not outcome["ok"]:
+                errors.append(f"rank {rank} raised:\n{outcome['error']}")
+            outcomes.append(outcome.get("result"))
+        if hung:
+            errors.insert(0, f"ranks {hung} did not finish within {timeout:.0f}s (killed)")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return outcomes

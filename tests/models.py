@@ -1,0 +1,41 @@
+"""Tiny models shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class NormMLP(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear -> LayerNorm -> Linear: one of each norm kind."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.fc1(x)))
+        return self.head(self.ln(self.fc2(h)))
+
+
+def mlp(d_in: int = 8, hidden: int = 16, d_out: int = 4, seed: int = 0) -> nn.Module:
+    """A plain MLP with a LayerNorm, deterministic weights for a given seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, d_out)
+    )
+
+
+def data(steps: int, batch: int, d_in: int = 8, d_out: int = 4, seed: int = 1):
+    """``steps`` (x, y) regression batches from a fixed random linear teacher."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(d_in, d_out, generator=gen)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch, d_in, generator=gen)
+        out.append((x, x @ teacher + 0.1 * torch.randn(batch, d_out, generator=gen)))
+    return out

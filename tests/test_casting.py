@@ -1,0 +1,173 @@
+"""What wrap does to a model at each opt_level: dtypes, forward casts, autocast in any thread."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from models import NormMLP
+from torch import nn
+
+import distamp
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+HALVES = [torch.float16, torch.bfloat16]
+
+
+def wrapped(level, half, **kw):
+    torch.manual_seed(0)
+    model = NormMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return distamp.wrap(model, opt, opt_level=level, half_dtype=half, **kw)
+
+
+def matmul_dtypes(model, x):
+    """The dtypes the model's Linear layers actually computed in."""
+    seen = []
+    handles = [
+        m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    ]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_parameter_and_buffer_dtypes(level, half):
+    model, _ = wrapped(level, half)
+    weight = model.fc1.weight.dtype
+    norm = {model.bn.weight.dtype, model.bn.running_mean.dtype, model.ln.weight.dtype}
+    expected_weight = half if level in ("O2", "O3") else torch.float32
+    expected_norm = half if level == "O3" else torch.float32
+    assert weight == expected_weight
+    assert norm == {expected_norm}
+    assert model.bn.num_batches_tracked.dtype == torch.int64  # integer buffers are never cast
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_output_and_compute_dtypes(level, half):
+    model, _ = wrapped(level, half)
+    x = torch.randn(4, 8)
+    out = model(x)
+    computed = set(matmul_dtypes(model, x))
+    if level == "O0":
+        assert (out.dtype, computed) == (torch.float32, {torch.float32})
+    elif level == "O1":
+        # autocast: matmuls in half, weights FP32, output as autocast left it (apex O1)
+        assert (out.dtype, computed) == (half, {half})
+    else:
+        # cast model: matmuls in half, output cast back to FP32 ("never call .half() yourself")
+        assert (out.dtype, computed) == (torch.float32, {half})
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_cast_model_outputs_overrides_output_dtype(half):
+    model, _ = wrapped("O2", half, cast_model_outputs=half)
+    assert model(torch.randn(3, 8)).dtype == half
+    model, _ = wrapped("O1", half, cast_model_outputs=torch.float32)
+    assert model(torch.randn(3, 8)).dtype == torch.float32
+
+
+def test_norm_layers_under_o2_compute_in_fp32_and_hand_back_half():
+    model, _ = wrapped("O2", torch.bfloat16)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    out = model.ln(x)
+    expected = nn.functional.layer_norm(
+        x.float(), (16,), model.ln.weight, model.ln.bias, model.ln.eps
+    ).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+    # computing the norm in bf16 would round differently
+    in_half = nn.functional.layer_norm(
+        x, (16,), model.ln.weight.bfloat16(), model.ln.bias.bfloat16(), model.ln.eps
+    )
+    assert out.dtype == in_half.dtype
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_o1_autocast_applies_in_a_new_thread_without_any_context(half):
+    model, _ = wrapped("O1", half)
+    x = torch.randn(4, 8)
+    result = {}
+
+    def run():
+        assert not torch.is_autocast_enabled("cpu")
+        result["dtypes"] = matmul_dtypes(model, x)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert result["dtypes"] and set(result["dtypes"]) == {half}
+
+
+def test_autocast_lives_in_the_class_not_on_the_instance():
+    model, _ = wrapped("O1", torch.bfloat16)
+    assert "forward" not in vars(model)
+    assert isinstance(model, NormMLP)
+    assert type(model).__name__ == "NormMLP"
+    # DataParallel's replicate copies __dict__ into a new instance of type(model)
+    replica = model._replicate_for_data_parallel()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(d=matmul_dtypes(replica, torch.randn(2, 8))))
+    thread.start()
+    thread.join()
+    assert set(result["d"]) == {torch.bfloat16}
+    clone = copy.deepcopy(model)
+    assert set(matmul_dtypes(clone, torch.randn(2, 8))) == {torch.bfloat16}
+
+
+def test_two_wrapped_models_are_independent():
+    m1, _ = wrapped("O1", torch.bfloat16)
+    m2, _ = wrapped("O0", torch.bfloat16)
+    m3, _ = wrapped("O1", torch.float16)
+    x = torch.randn(2, 8)
+    assert set(matmul_dtypes(m1, x)) == {torch.bfloat16}
+    assert set(matmul_dtypes(m2, x)) == {torch.float32}
+    assert set(matmul_dtypes(m3, x)) == {torch.float16}
+    plain = NormMLP()
+    assert set(matmul_dtypes(plain, x)) == {torch.float32}  # the original class is untouched
+
+
+def test_o2_casts_floating_inputs_and_leaves_integer_inputs_alone():
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, ids, extra):
+            self.seen = (ids.dtype, extra["w"].dtype)
+            return self.fc(self.emb(ids) * extra["w"])
+
+    torch.manual_seed(0)
+    model = distamp.wrap(Embed(), opt_level="O2")
+    out = model(torch.tensor([[1, 2, 3]]), {"w": torch.ones(1, 3, 1)})
+    assert model.seen == (torch.int64, torch.bfloat16)
+    assert out.dtype == torch.float32
+
+
+def test_enabled_false_returns_inputs_untouched():
+    torch.manual_seed(0)
+    model = NormMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m2, o2 = distamp.wrap(model, opt, opt_level="O2", enabled=False)
+    assert m2 is model and o2 is opt
+    assert type(model) is NormMLP and type(opt) is torch.optim.SGD
+    assert model.fc1.weight.dtype == torch.float32
+
+
+def test_single_in_single_out_lists_in_lists_out():
+    ms = [NormMLP(), NormMLP()]
+    os_ = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ms]
+    out_m, out_o = distamp.wrap(ms, os_, opt_level="O2")
+    assert isinstance(out_m, list) and out_m[0] is ms[0] and out_m[1] is ms[1]
+    assert isinstance(out_o, list) and out_o[0] is os_[0] and out_o[1] is os_[1]
+    only_model = distamp.wrap(NormMLP(), opt_level="O1")
+    assert isinstance(only_model, NormMLP)

@@ -1,0 +1,187 @@
+"""Single-process training at each opt_level against an FP32 reference; optimizer state round trips."""
+
+import io
+
+import pytest
+import torch
+from models import data, mlp
+
+import distamp
+
+
+def train(model, opt, batches, *, amp=True, clip=None, sched=None, skip=(), skipped=None):
+    """Train on ``batches``; ``skip``: steps the FP32 reference leaves out; ``skipped`` collects
+    the steps distamp skipped."""
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if amp:
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            if clip is not None:
+                distamp.clip_grad_norm_(opt, clip)
+        else:
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if i not in skip:
+            opt.step()
+        if skipped is not None and amp and distamp.stats(opt).last_step_skipped:
+            skipped.append(i)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fp32_reference(batches, opt_cls=torch.optim.Adam, skip=(), **opt_kw):
+    model = mlp()
+    opt = opt_cls(model.parameters(), **opt_kw)
+    losses = train(model, opt, batches, amp=False, skip=skip)
+    return model, losses
+
+
+def max_rel_err(model, ref):
+    worst = 0.0
+    for p, r in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
+        if p.is_floating_point():
+            worst = max(worst, ((p.float() - r).norm() / r.norm().clamp_min(1e-12)).item())
+    return worst
+
+
+# Stated tolerance: after 50 Adam steps every weight tensor of the half model is within 2% (bf16,
+# 8 mantissa bits) / 1.5% (fp16, 11 bits) relative L2 error of an FP32 run that skips the same steps
+# (fp16's dynamic scale starts at 2**16 and backs off on real overflows), final loss within 5%.
+@pytest.mark.parametrize(("half", "tol"), [(torch.bfloat16, 2e-2), (torch.float16, 1.5e-2)])
+def test_o2_tracks_fp32_reference_for_50_steps(half, tol):
+    batches = data(50, 16)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", half_dtype=half)
+    skipped: list[int] = []
+    losses = train(model, opt, batches, skipped=skipped)
+    ref, ref_losses = fp32_reference(batches, lr=1e-2, skip=set(skipped))
+    assert len(skipped) <= 3
+    assert max_rel_err(model, ref) < tol
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1] + 1e-3
+    assert losses[-1] < 0.5 * losses[0]  # it learned
+    s = distamp.stats(opt)
+    assert (s.steps, s.skipped_steps) == (50, len(skipped))
+    assert s.master_bytes == 4 * sum(p.numel() for n, p in model.named_parameters() if "1." not in n)
+
+
+def test_enabled_false_is_bit_identical_to_plain_pytorch():
+    batches = data(20, 8)
+    ref, ref_losses = fp32_reference(batches, opt_cls=torch.optim.SGD, lr=0.05, momentum=0.9)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", enabled=False)
+    losses = train(model, opt, batches)
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert distamp.stats(opt).steps == 0  # a no-op
+
+
+def test_o0_matches_fp32_exactly():
+    batches = data(20, 8)
+    ref, _ = fp32_reference(batches, lr=1e-2)
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.Adam(model.parameters(), lr=1e-2), opt_level="O0")
+    train(model, opt, batches)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_masters_are_eager_exact_fp32_copies_and_own_the_param_groups():
+    model = mlp()
+    originals = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(
+        [
+            {"params": list(model[0].parameters()), "lr": 1e-3},
+            {"params": list(model[3].parameters()), "lr": 5e-3, "weight_decay": 0.0},
+        ]
+    )
+    model, opt = distamp.wrap(model, opt, opt_level="O2")
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-3]
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert [torch.equal(m, o) for m, o in zip(masters, [originals[0], originals[1], originals[4], originals[5]], strict=True)] == [True] * 4
+    assert model[0].weight.dtype == torch.bfloat16
+    assert isinstance(opt, torch.optim.AdamW)
+
+
+def test_state_dict_round_trip_resumes_bit_exactly():
+    batches = data(30, 8)
+
+    def fresh():
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return distamp.wrap(model, opt, opt_level="O2", half_dtype=torch.float16)
+
+    model, opt = fresh()
+    train(model, opt, batches)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = fresh()
+    train(model, opt, batches[:12])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    assert distamp.stats(opt).steps == 12
+    assert all(v["exp_avg"].dtype == torch.float32 for v in opt.state.values())
+    train(model, opt, batches[12:])
+    for a, b in zip(model.parameters(), straight, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+def test_lr_scheduler_drives_the_wrapped_optimizer(when):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if when == "before_wrap":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        model, opt = distamp.wrap(model, opt, opt_level="O2")
+    else:
+        model, opt = distamp.wrap(model, opt, opt_level="O2")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    before = model[0].weight.detach().clone()
+    train(model, opt, data(4, 4), sched=sched)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert distamp.stats(opt).steps == 4  # the distamp step ran, not the inner class's step
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_clip_grad_norm_equals_torch_on_unscaled_fp32_grads():
+    x, y = data(1, 16)[0]
+    ref = mlp()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    total = distamp.clip_grad_norm_(opt, 0.1)
+    assert total.item() == pytest.approx(expected.item(), rel=2e-2)  # O1 computes in bf16
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert clipped.item() == pytest.approx(0.1, rel=1e-3)
+
+
+def test_unscale_then_step_uses_one_decision():
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
+    x, y = data(1, 4)[0]
+    with distamp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    distamp.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        distamp.unscale_(opt)
+    opt.step()
+    assert distamp.stats(opt).steps == 1

@@ -27,7 +27,7 @@ from torch import nn
 from .forensics import NonFiniteReport
 
 if TYPE_CHECKING:
-    from .scaler import ScalerGroup
+    from .scaler import Backward, ScalerGroup
 
 
 class OptState(enum.Enum):
@@ -197,10 +197,10 @@ class AmpOptimizerState:
         self.state = OptState.READY
         self.grad_scale: float | None = None
         """The loss scale the model's ``.grad`` currently carry; None when none are pending."""
-        self.losses: set[int] = set()
-        """loss_ids that produced gradients for this optimizer since its last step."""
+        self.backwards: list[Backward] = []
+        """The ``scale_loss`` blocks that produced gradients for this optimizer since its step."""
         self.seen_nonfinite: torch.Tensor | None = None
-        """For per-loss attribution with several losses: grads were already non-finite."""
+        """With per-block attribution: the grads were non-finite already at the last block's end."""
         self.overflow: bool | None = None
         """The global decision, once made for the pending step."""
         self.decided_here = False
@@ -211,10 +211,11 @@ class AmpOptimizerState:
         self.last_step_skipped = False
         self.warned_unscaled_step = False
 
-    def reset_after_step(self) -> None:
+    def reset(self) -> None:
+        """Back to READY: after a step, or when the gradients are zeroed."""
         self.state = OptState.READY
         self.grad_scale = None
-        self.losses.clear()
+        self.backwards = []
         self.seen_nonfinite = None
         self.overflow = None
         self.masters.release_master_grads()
@@ -265,7 +266,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 super().step()
                 st.masters.copy_to_model()
         finally:
-            st.reset_after_step()
+            st.reset()
         return None
 
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
@@ -277,11 +278,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         st = self._distamp
         st.masters.zero_model_grads(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
-        st.state = OptState.READY
-        st.grad_scale = None
-        st.losses.clear()
-        st.seen_nonfinite = None
-        st.overflow = None
+        if st.state is not OptState.READY:
+            st.group.forget(st)
+        st.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"distamp"``: masters, scalers, step counters.

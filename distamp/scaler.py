@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,12 +157,27 @@ def all_reduce_max_(flags: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return flags
 
 
+@dataclass(eq=False)
+class Backward:
+    """One ``scale_loss`` block: which loss, which optimizers, and whether it overflowed."""
+
+    loss_id: int
+    users: list[AmpOptimizerState]
+    flag: torch.Tensor | None = None
+    """Local 0/1: gradients became non-finite during this backward (when attribution is on)."""
+    overflow: bool | None = None
+    """The global decision, once taken at the first step of one of ``users``."""
+
+
 class ScalerGroup:
     """The loss scalers of one :func:`distamp.wrap` call and the per-step skip decision.
 
-    Shared by every optimizer of that call: an optimizer steps or skips according to the losses it
-    took part in since its last step (apex's multiple-models/optimizers/losses semantics), and each
-    loss's scaler is updated once per optimizer step, when its overflow is first decided.
+    [Note: who skips] apex's multiple-models/optimizers/losses semantics: an optimizer skips iff a
+    ``scale_loss`` block it took part in since its last step overflowed (non-finite gradients
+    appeared in the gradients of that block's optimizers, on any rank). With one optimizer and one
+    loss that is just "its gradients are non-finite"; with several, each block's new non-finite
+    values are attributed to it at the end of the block (a read-only pass, no host sync). A loss's
+    scaler is updated once per step: when every block of that loss has been decided.
     """
 
     def __init__(
@@ -183,12 +199,16 @@ class ScalerGroup:
             for _ in range(props.num_losses)
         ]
         self.optimizers: list[AmpOptimizerState] = []
-        n = props.num_losses
-        self._users: list[list[AmpOptimizerState]] = [[] for _ in range(n)]
-        self._exit_flags: list[torch.Tensor | None] = [None] * n
-        self._overflow: list[bool | None] = [None] * n
+        self._open: list[Backward] = []
+        """Blocks whose loss scaler has not been updated yet."""
+        self._pending_overflow = [False] * props.num_losses
         self.total_skips = 0
         self.last_nonfinite: NonFiniteReport | None = None
+
+    @property
+    def attribute_per_backward(self) -> bool:
+        """Several optimizers or losses: attribute non-finite values to blocks as they appear."""
+        return len(self.optimizers) > 1 or self.props.num_losses > 1
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -202,10 +222,6 @@ class ScalerGroup:
         to it by a power of two (exact, never an overflow). With ``num_losses == 1`` this never
         happens.
         """
-        if self._overflow[loss_id] is not None:  # decided already: a new step begins for this loss
-            self._users[loss_id] = []
-            self._exit_flags[loss_id] = None
-            self._overflow[loss_id] = None
         scale = self.scalers[loss_id].scale
         pending = [st.grad_scale for st in states if st.grad_scale is not None]
         if pending:
@@ -217,84 +233,96 @@ class ScalerGroup:
         return scale
 
     def finish_backward(self, loss_id: int, states: list[AmpOptimizerState], scale: float) -> None:
-        """Record that ``loss_id`` produced gradients at ``scale`` for these optimizers."""
+        """Record the ``scale_loss`` block that just ran its backward at ``scale``."""
         from .optim import OptState
 
-        attribute = self.props.num_losses > 1
+        block = Backward(loss_id, list(states))
+        attribute = self.attribute_per_backward
         for st in states:
             st.grad_scale = scale
             st.state = OptState.SCALED
-            st.losses.add(loss_id)
-            if st not in self._users[loss_id]:
-                self._users[loss_id].append(st)
+            st.backwards.append(block)
             if attribute:
-                # Which loss made the grads non-finite: only what became non-finite in this backward.
                 now = st.masters.check()
                 seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)
                 new = now * (1 - seen)
-                previous = self._exit_flags[loss_id]
-                self._exit_flags[loss_id] = (
-                    new if previous is None else torch.maximum(previous, new)
-                )
+                block.flag = new if block.flag is None else torch.maximum(block.flag, new)
                 st.seen_nonfinite = torch.maximum(seen, now)
+        self._open.append(block)
+
+    def forget(self, st: AmpOptimizerState) -> None:
+        """``st`` dropped its gradients (zero_grad): its undecided blocks lose it as a user."""
+        for block in st.backwards:
+            if block.overflow is None and st in block.users:
+                block.users.remove(st)
+        self._open = [b for b in self._open if b.users or b.overflow is not None]
+        self._update_finished_losses()
 
     # -- step ------------------------------------------------------------------------------------
 
     def unscale_and_decide(self, st: AmpOptimizerState) -> None:
-        """Collective (see [Note: one decision for all ranks]): unscale ``st``'s grads, decide the skip.
+        """Collective (see [Note: one decision for all ranks]): unscale, then decide the skip.
 
-        One MAX all-reduce of a few flags — one per loss decided here — unless every loss ``st``
-        took part in was decided by another optimizer's step already (then none).
+        One MAX all-reduce of one flag per undecided block of ``st``; none when every block was
+        decided by another optimizer's step already.
         """
         from .optim import OptState
 
         assert st.grad_scale is not None
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
-        losses = sorted(st.losses)
-        undecided = [j for j in losses if self._overflow[j] is None]
-        st.decided_here = bool(undecided) or not losses
-        if losses and not undecided:
-            st.overflow = any(bool(self._overflow[j]) for j in losses)
-        else:
-            flags = [own] if not losses else [self._loss_flag(j, st, own) for j in undecided]
-            vector = all_reduce_max_(
-                torch.cat([f.to(own.device) for f in flags]), self.process_group
-            )
-            result = [v > 0 for v in vector.tolist()]
-            if not losses:
+        undecided = [b for b in st.backwards if b.overflow is None]
+        st.decided_here = bool(undecided) or not st.backwards
+        if undecided or not st.backwards:
+            flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
+            vector = torch.cat([f.to(own.device) for f in flags])
+            result = [v > 0 for v in all_reduce_max_(vector, self.process_group).tolist()]
+            if not st.backwards:
                 st.overflow = result[0]
-            else:
-                for j, overflow in zip(undecided, result, strict=True):
-                    self._overflow[j] = overflow
-                    self.scalers[j].update(overflow)
-                st.overflow = any(bool(self._overflow[j]) for j in losses)
+            for block, overflow in zip(undecided, result, strict=False):
+                block.overflow = overflow
+                self._pending_overflow[block.loss_id] |= overflow
+            self._update_finished_losses()
+        if st.backwards:
+            st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
 
-    def _loss_flag(self, loss_id: int, st: AmpOptimizerState, own: torch.Tensor) -> torch.Tensor:
-        flag = self._exit_flags[loss_id]
-        if flag is None:
-            flag = torch.zeros_like(own)
-        for user in self._users[loss_id]:
+    def _block_flag(
+        self, block: Backward, st: AmpOptimizerState, own: torch.Tensor
+    ) -> torch.Tensor:
+        flag = block.flag.to(own.device) if block.flag is not None else torch.zeros_like(own)
+        for user in block.users:
+            # Non-finite values that appeared after the block ended (written by hand, or by a
+            # collective) belong to every block of that optimizer.
             now = own if user is st else user.masters.check().to(own.device)
-            if user.seen_nonfinite is not None:  # attributed to a loss at its backward already
+            if user.seen_nonfinite is not None:
                 now = now * (1 - user.seen_nonfinite.to(own.device))
-            flag = torch.maximum(flag.to(own.device), now)
+            flag = torch.maximum(flag, now)
         return flag
+
+    def _update_finished_losses(self) -> None:
+        """Update each loss's scaler once all of its open blocks are decided."""
+        for loss_id, scaler in enumerate(self.scalers):
+            mine = [b for b in self._open if b.loss_id == loss_id]
+            if mine and all(b.overflow is not None for b in mine):
+                scaler.update(self._pending_overflow[loss_id])
+                self._pending_overflow[loss_id] = False
+                self._open = [b for b in self._open if b.loss_id != loss_id]
 
     def after_skip(self, st: AmpOptimizerState) -> None:
         """Collective: name the first non-finite gradient, log it, and stop a hopeless loop."""
         if not st.decided_here:
             return
         self.total_skips += 1
-        overflowed = [j for j in sorted(st.losses) if self._overflow[j]]
+        overflowed = [b for b in st.backwards if b.overflow]
         involved: list[AmpOptimizerState] = [st]
-        for j in overflowed:
-            involved += [u for u in self._users[j] if u not in involved]
+        for block in overflowed:
+            involved += [u for u in block.users if u not in involved]
         named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
         report = locate_nonfinite(named, self.process_group)
         self.last_nonfinite = report
         st.last_nonfinite = report
-        scales = ", ".join(f"{self.scalers[j].scale:g}" for j in overflowed) or "unchanged"
+        loss_ids = sorted({b.loss_id for b in overflowed})
+        scales = ", ".join(f"{self.scalers[j].scale:g}" for j in loss_ids) or "unchanged"
         what = str(report) if report is not None else "non-finite gradients"
         if self.props.verbosity >= 1 and self.rank == 0 and _rate_limited(self.total_skips):
             logger.warning(
@@ -303,9 +331,9 @@ class ScalerGroup:
                 what,
                 scales,
             )
-        for j in overflowed:
+        limit = self.props.max_consecutive_skips
+        for j in loss_ids:
             scaler = self.scalers[j]
-            limit = self.props.max_consecutive_skips
             if scaler.consecutive_skips >= limit or scaler.skipped_at_floor:
                 reason = (
                     f"{scaler.consecutive_skips} consecutive optimizer steps were skipped"

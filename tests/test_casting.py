@@ -115,7 +115,9 @@ def test_autocast_lives_in_the_class_not_on_the_instance():
     # DataParallel's replicate copies __dict__ into a new instance of type(model)
     replica = model._replicate_for_data_parallel()
     result = {}
-    thread = threading.Thread(target=lambda: result.update(d=matmul_dtypes(replica, torch.randn(2, 8))))
+    thread = threading.Thread(
+        target=lambda: result.update(d=matmul_dtypes(replica, torch.randn(2, 8)))
+    )
     thread.start()
     thread.join()
     assert set(result["d"]) == {torch.bfloat16}

@@ -68,7 +68,9 @@ def test_o2_tracks_fp32_reference_for_50_steps(half, tol):
     assert losses[-1] < 0.5 * losses[0]  # it learned
     s = distamp.stats(opt)
     assert (s.steps, s.skipped_steps) == (50, len(skipped))
-    assert s.master_bytes == 4 * sum(p.numel() for n, p in model.named_parameters() if "1." not in n)
+    assert s.master_bytes == 4 * sum(
+        p.numel() for n, p in model.named_parameters() if "1." not in n
+    )
 
 
 def test_enabled_false_is_bit_identical_to_plain_pytorch():
@@ -108,7 +110,12 @@ def test_masters_are_eager_exact_fp32_copies_and_own_the_param_groups():
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-3]
     assert opt.param_groups[1]["weight_decay"] == 0.0
     assert all(m.dtype == torch.float32 for m in masters)
-    assert [torch.equal(m, o) for m, o in zip(masters, [originals[0], originals[1], originals[4], originals[5]], strict=True)] == [True] * 4
+    assert [
+        torch.equal(m, o)
+        for m, o in zip(
+            masters, [originals[0], originals[1], originals[4], originals[5]], strict=True
+        )
+    ] == [True] * 4
     assert model[0].weight.dtype == torch.bfloat16
     assert isinstance(opt, torch.optim.AdamW)
 

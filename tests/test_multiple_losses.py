@@ -1,0 +1,136 @@
+"""apex's multiple models / optimizers / losses matrix: only the optimizers of an overflowed loss skip.
+
+O0 with a dynamic loss scale keeps the weights FP32; power-of-two scaling is exact, so the wrapped
+run must equal a hand-computed FP32 reference (same steps skipped) bit for bit.
+"""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import distamp
+
+STEPS = 5
+INJECT_AT = 2
+
+# name: (models per optimizer, models per loss, optimizers passed to each loss's scale_loss)
+SCENARIOS = {
+    "2models2losses1optimizer": ([[0, 1]], [[0], [1]], [[0], [0]]),
+    "2models2losses2optimizers": ([[0], [1]], [[0], [1]], [[0], [1]]),
+    "3models2losses2optimizers": ([[0, 1], [2]], [[0, 1], [2, 1]], [[0], [0, 1]]),
+    "3models2losses2optimizers_both": ([[0, 1], [2]], [[0, 2], [1, 2]], [[0, 1], [0, 1]]),
+    "2models2losses2optimizers_shared": ([[0], [1]], [[0], [0, 1]], [[0], [0, 1]]),
+}
+
+
+def make_models(n):
+    torch.manual_seed(0)
+    return [nn.Linear(4, 3) for _ in range(n)]
+
+
+def optimizers_for(models, layout):
+    return [
+        torch.optim.SGD([p for m in ms for p in models[m].parameters()], lr=0.1, momentum=0.5)
+        for ms in layout
+    ]
+
+
+def losses(models, per_loss, x):
+    return [sum((models[m](x) ** 2).mean() for m in ms) for ms in per_loss]
+
+
+def run(scenario, num_losses, which_backward, which_model, *, amp, how_to_zero="optimizer"):
+    opt_layout, per_loss, opts_per_loss = SCENARIOS[scenario]
+    n_models = 1 + max(itertools.chain.from_iterable(opt_layout))
+    models = make_models(n_models)
+    opts = optimizers_for(models, opt_layout)
+    if amp:
+        models, opts = distamp.wrap(
+            models, opts, opt_level="O0", loss_scale="dynamic", num_losses=num_losses, verbosity=0
+        )
+    skip = expected_skips(scenario, which_backward, which_model)
+    scales = []
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    for step in range(STEPS):
+        for loss_index, loss in enumerate(losses(models, per_loss, x)):
+            chosen = [opts[o] for o in opts_per_loss[loss_index]]
+            loss_id = loss_index if num_losses == 2 else 0
+            inject = step == INJECT_AT and loss_index == which_backward
+            if amp:
+                with distamp.scale_loss(loss, chosen, loss_id=loss_id) as scaled:
+                    scaled.backward()
+                    if inject:
+                        models[which_model].weight.grad[0, 0] = float("inf")
+            else:
+                loss.backward()
+        for o, opt in enumerate(opts):
+            if amp or not (step == INJECT_AT and o in skip):
+                opt.step()
+        for model in models:  # apex's test zeroes all three ways
+            if how_to_zero == "optimizer":
+                pass
+            elif how_to_zero == "model":
+                model.zero_grad()
+            else:
+                for p in model.parameters():
+                    p.grad = None
+        if how_to_zero == "optimizer":
+            for opt in opts:
+                opt.zero_grad()
+        if amp:
+            scales.append(distamp.stats(opts[0]).loss_scales)
+    stats = [distamp.stats(opt) for opt in opts] if amp else None
+    return models, stats, scales
+
+
+def expected_skips(scenario, which_backward, which_model):
+    """Hand-computed as in apex's tests: an optimizer skips iff it was passed to the scale_loss
+    block whose backward overflowed, whatever the loss_id (num_losses only picks the scalers)."""
+    opt_layout, per_loss, opts_per_loss = SCENARIOS[scenario]
+    if which_model not in per_loss[which_backward]:
+        return set()
+    return set(opts_per_loss[which_backward])
+
+
+CASES = [
+    (scenario, num_losses, which_backward, which_model)
+    for scenario, (layout, per_loss, _) in SCENARIOS.items()
+    for num_losses in (1, 2)
+    for which_backward in (0, 1)
+    for which_model in per_loss[which_backward]
+]
+
+
+@pytest.mark.parametrize("how_to_zero", ["optimizer", "model", "none"])
+@pytest.mark.parametrize(("scenario", "num_losses", "which_backward", "which_model"), CASES)
+def test_only_optimizers_of_the_overflowed_loss_skip(
+    scenario, num_losses, which_backward, which_model, how_to_zero
+):
+    models, stats, scales = run(
+        scenario, num_losses, which_backward, which_model, amp=True, how_to_zero=how_to_zero
+    )
+    reference, _, _ = run(scenario, num_losses, which_backward, which_model, amp=False)
+    skip = expected_skips(scenario, which_backward, which_model)
+    assert [s.skipped_steps for s in stats] == [int(o in skip) for o in range(len(stats))]
+    for model, ref in zip(models, reference, strict=True):
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, r)
+    # The scale of the overflowed loss backs off once, at the step; with num_losses=2 the other
+    # loss keeps its scale.
+    before, after = scales[INJECT_AT - 1], scales[INJECT_AT]
+    overflowed = which_backward if num_losses == 2 else 0
+    for loss_id in range(num_losses):
+        factor = 0.5 if loss_id == overflowed else 1.0
+        assert after[loss_id] == before[loss_id] * factor
+
+
+def test_loss_id_out_of_range_is_refused():
+    models = make_models(1)
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    model, opt = distamp.wrap(models[0], opt, opt_level="O2", num_losses=2)
+    loss = model(torch.randn(2, 4)).sum()
+    with pytest.raises(ValueError, match=r"loss_id must be in \[0, num_losses=2\), got 2"):
+        with distamp.scale_loss(loss, opt, loss_id=2):
+            pass

@@ -88,7 +88,7 @@ def run(scenario, num_losses, which_backward, which_model, *, amp, how_to_zero="
 def expected_skips(scenario, which_backward, which_model):
     """Hand-computed as in apex's tests: an optimizer skips iff it was passed to the scale_loss
     block whose backward overflowed, whatever the loss_id (num_losses only picks the scalers)."""
-    opt_layout, per_loss, opts_per_loss = SCENARIOS[scenario]
+    _, per_loss, opts_per_loss = SCENARIOS[scenario]
     if which_model not in per_loss[which_backward]:
         return set()
     return set(opts_per_loss[which_backward])

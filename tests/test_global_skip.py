@@ -1,0 +1,136 @@
+"""The skip decision is global: an inf/NaN on one rank only makes every rank skip and back off.
+
+Real gloo ranks under DDP; the non-finite value is written into one rank's gradient *after* DDP's
+all-reduce, so no other rank can see it except through distamp's own flag reduction.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from models import data, mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+
+PER_RANK = 4
+
+
+def _train(rank, world, level, half, steps, plan, wrap_kw=None):
+    """plan: {step: (rank, param_index, "inf"|"nan")}. Returns what every rank saw."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = distamp.wrap(
+        model, opt, opt_level=level, half_dtype=half, verbosity=0, **(wrap_kw or {})
+    )
+    ddp = DDP(model)
+    params = list(model.parameters())
+    skipped, scales = [], []
+    for step, (x, y) in enumerate(data(steps, PER_RANK * world)):
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        loss = F.mse_loss(ddp(x[mine]), y[mine])
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if step in plan and plan[step][0] == rank:
+            _, index, kind = plan[step]
+            params[index].grad.view(-1)[0] = float(kind)
+        opt.step()
+        opt.zero_grad()
+        s = distamp.stats(opt)
+        skipped.append(s.last_step_skipped)
+        scales.append(s.loss_scales[0])
+    s = distamp.stats(opt)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [p.detach().clone() for g in opt.param_groups for p in g["params"]],
+        "skipped": skipped,
+        "scales": scales,
+        "report": s.last_nonfinite,
+    }
+
+
+def fp32_reference(world, steps, skip):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(data(steps, PER_RANK * world)):
+        F.mse_loss(model(x), y).backward()
+        if step not in skip:
+            opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_ranks_identical(results):
+    first = results[0]
+    for other in results[1:]:
+        assert other["skipped"] == first["skipped"]
+        assert other["scales"] == first["scales"]
+        for a, b in zip(first["params"] + first["masters"], other["params"] + other["masters"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inf_on_one_rank_only_makes_every_rank_skip_and_back_off(world):
+    steps = 8
+    plan = {3: (world - 1, 0, "inf"), 5: (0, 2, "nan")}
+    results = run_ranks(_train, world, "O2", torch.bfloat16, steps, plan)
+    assert_ranks_identical(results)
+    skipped = results[0]["skipped"]
+    assert [i for i, s in enumerate(skipped) if s] == [3, 5]
+    scales = results[0]["scales"]
+    assert scales[3] == scales[2] / 2 and scales[5] == scales[4] / 2
+    assert scales[4] == scales[3]  # no back-off on a clean step
+    report = results[0]["report"]
+    assert (report.param, report.rank, report.kind) == ("1.weight", 0, "nan")
+    # Stated tolerance against a single-process FP32 run on the whole batch, same steps skipped:
+    # bf16 weights, 8 steps of SGD with momentum: 2% relative L2 per tensor.
+    reference = fp32_reference(world, steps, skip={3, 5})
+    for p, r in zip(results[0]["params"], reference, strict=True):
+        assert ((p.float() - r).norm() / r.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_100_steps_with_random_faults_keep_ranks_bit_identical(world):
+    rng = random.Random(world)
+    plan = {
+        step: (rng.randrange(world), rng.randrange(6), rng.choice(["inf", "-inf", "nan"]))
+        for step in rng.sample(range(100), 15)
+    }
+    results = run_ranks(_train, world, "O2", torch.bfloat16, 100, plan)
+    assert_ranks_identical(results)
+    assert [i for i, s in enumerate(results[0]["skipped"]) if s] == sorted(plan)
+
+
+def _hopeless(rank, world):
+    try:
+        _train(rank, world, "O2", torch.bfloat16, 20, {i: (1, 2, "nan") for i in range(20)},
+               wrap_kw={"max_consecutive_skips": 4})
+    except distamp.NonFiniteGradientError as err:
+        return str(err)
+    return None
+
+
+def test_endless_overflow_stops_with_the_parameter_and_the_rank():
+    messages = run_ranks(_hopeless, 2)
+    assert messages[0] == messages[1]
+    assert messages[0] is not None
+    assert "4 consecutive optimizer steps were skipped" in messages[0]
+    assert "'1.weight'" in messages[0] and "rank 1" in messages[0] and "NaN" in messages[0]
+
+
+def _floor(rank, world):
+    try:
+        _train(rank, world, "O2", torch.float16, 6, {i: (0, 0, "inf") for i in range(6)},
+               wrap_kw={"min_loss_scale": 2.0**14})
+    except distamp.NonFiniteGradientError as err:
+        return str(err)
+    return None
+
+
+def test_skip_at_min_loss_scale_raises_on_every_rank():
+    messages = run_ranks(_floor, 2)
+    assert messages[0] == messages[1] and messages[0] is not None
+    assert "minimum loss scale 16384" in messages[0]
+    assert "'0.weight'" in messages[0] and "rank 0" in messages[0] and "inf" in messages[0]

@@ -123,6 +123,7 @@ def wrap(
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
+    label = f"{kind.__module__.replace('.modules.module', '').replace('.optimizer', '')}.{kind.__name__}"
     if isinstance(value, kind):
         return [value], False
     if isinstance(value, (list, tuple)):
@@ -133,12 +134,12 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
                     f"{name}[{i}]: expected a {kind.__name__}, got {type(item).__name__}"
                 )
         if not items:
-            raise ValueError(f"{name}: expected at least one {kind.__name__}, got an empty list")
+            raise ValueError(f"{name}: expected at least one {label}, got an empty list")
         if len({id(i) for i in items}) != len(items):
-            raise ValueError(f"{name}: the same {kind.__name__} appears more than once in the list")
+            raise ValueError(f"{name}: the same {label} appears more than once in the list")
         return items, True
     raise TypeError(
-        f"{name}: expected a {kind.__name__} or a list of them, got {type(value).__name__}"
+        f"{name}: expected a {label} or a list of them, got {type(value).__name__}"
     )
 
 

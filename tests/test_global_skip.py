@@ -67,7 +67,9 @@ def assert_ranks_identical(results):
     for other in results[1:]:
         assert other["skipped"] == first["skipped"]
         assert other["scales"] == first["scales"]
-        for a, b in zip(first["params"] + first["masters"], other["params"] + other["masters"], strict=True):
+        for a, b in zip(
+            first["params"] + first["masters"], other["params"] + other["masters"], strict=True
+        ):
             assert torch.equal(a, b)
 
 
@@ -105,8 +107,15 @@ def test_100_steps_with_random_faults_keep_ranks_bit_identical(world):
 
 def _hopeless(rank, world):
     try:
-        _train(rank, world, "O2", torch.bfloat16, 20, {i: (1, 2, "nan") for i in range(20)},
-               wrap_kw={"max_consecutive_skips": 4})
+        _train(
+            rank,
+            world,
+            "O2",
+            torch.bfloat16,
+            20,
+            {i: (1, 2, "nan") for i in range(20)},
+            wrap_kw={"max_consecutive_skips": 4},
+        )
     except distamp.NonFiniteGradientError as err:
         return str(err)
     return None
@@ -122,8 +131,15 @@ def test_endless_overflow_stops_with_the_parameter_and_the_rank():
 
 def _floor(rank, world):
     try:
-        _train(rank, world, "O2", torch.float16, 6, {i: (0, 0, "inf") for i in range(6)},
-               wrap_kw={"min_loss_scale": 2.0**14})
+        _train(
+            rank,
+            world,
+            "O2",
+            torch.float16,
+            6,
+            {i: (0, 0, "inf") for i in range(6)},
+            wrap_kw={"min_loss_scale": 2.0**14},
+        )
     except distamp.NonFiniteGradientError as err:
         return str(err)
     return None

@@ -1,0 +1,84 @@
+"""Real-GPU tests: O2 FP16 on CUDA against an FP32 reference, and NCCL with one process per GPU.
+
+Each test skips itself by ``torch.cuda.device_count()``; on CPU-only machines they are collected
+and skipped.
+"""
+
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from models import data, mlp
+
+import distamp
+
+GPUS = torch.cuda.device_count()
+
+
+def _train(model, opt, batches, device, rank=0, world=1, inject=None):
+    params = list(model.parameters())
+    for step, (x, y) in enumerate(batches):
+        n = x.shape[0] // world
+        x, y = x[rank * n : (rank + 1) * n].to(device), y[rank * n : (rank + 1) * n].to(device)
+        loss = F.mse_loss(model(x).float(), y)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if inject is not None and step == inject[0] and rank == inject[1]:
+            params[0].grad.view(-1)[0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_o2_fp16_on_cuda_tracks_fp32_reference():
+    batches = data(50, 32)
+    ref = mlp().cuda()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches:
+        F.mse_loss(ref(x.cuda()), y.cuda()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = distamp.wrap(model, opt, opt_level="O2")
+    assert model[0].weight.dtype == torch.float16  # "auto" is fp16 on CUDA
+    _train(model, opt, batches, "cuda")
+    assert distamp.stats(opt).skipped_steps <= 2
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        assert ((p.float() - r).norm() / r.norm()).item() < 1e-2
+
+
+def _nccl_worker(rank, world, init_file, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = mlp().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    _train(ddp, opt, data(20, 8 * world), "cuda", rank, world, inject=(5, world - 1))
+    torch.save(
+        {"params": [p.detach().cpu() for p in model.parameters()], "stats": distamp.stats(opt)},
+        os.path.join(out, f"{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_one_process_per_gpu_skips_together():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_nccl_worker, args=(GPUS, os.path.join(tmp, "rdzv"), tmp), nprocs=GPUS)
+        results = [
+            torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(GPUS)
+        ]
+    for r in results[1:]:
+        assert r["stats"].skipped_steps == results[0]["stats"].skipped_steps == 1
+        for a, b in zip(r["params"], results[0]["params"], strict=True):
+            assert torch.equal(a, b)

@@ -1,0 +1,206 @@
+"""Misuse gets a clear error naming the problem, and loses nothing (model and optimizer unchanged)."""
+
+import copy
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models import NormMLP, mlp
+from torch import nn
+
+import distamp
+
+
+def snapshot(model, opt):
+    return (
+        type(model),
+        type(opt),
+        copy.deepcopy(model.state_dict()),
+        [[p for p in g["params"]] for g in opt.param_groups],
+        [p.dtype for p in model.parameters()],
+    )
+
+
+def assert_unchanged(before, model, opt):
+    cls_m, cls_o, state, groups, dtypes = before
+    assert type(model) is cls_m and type(opt) is cls_o
+    for (k, v), (k2, v2) in zip(state.items(), model.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2)
+    assert [[p for p in g["params"]] for g in opt.param_groups] == groups
+    assert [p.dtype for p in model.parameters()] == dtypes
+
+
+def fresh():
+    model = NormMLP()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "pattern"),
+    [
+        ({"opt_level": "01"}, ValueError, "did you mean 'O1'"),
+        ({"opt_level": "O5"}, ValueError, "opt_level"),
+        ({"opt_level": "O1", "master_weights": True}, ValueError, "O1.*master_weights"),
+        ({"opt_level": "O2", "loss_scale": -4}, ValueError, "loss_scale"),
+        ({"opt_level": "O2", "loss_scale": float("nan")}, ValueError, "loss_scale"),
+        (
+            {"opt_level": "O2", "min_loss_scale": 8.0, "max_loss_scale": 4.0},
+            ValueError,
+            "min_loss_scale",
+        ),
+        ({"opt_level": "O2", "half_dtype": torch.float64}, ValueError, "half_dtype"),
+        ({"opt_level": "O2", "num_losses": 0}, ValueError, "num_losses"),
+    ],
+)
+def test_bad_wrap_arguments(kw, exc, pattern):
+    model, opt = fresh()
+    before = snapshot(model, opt)
+    with pytest.raises(exc, match=pattern):
+        distamp.wrap(model, opt, **kw)
+    assert_unchanged(before, model, opt)
+
+
+def test_half_parameters_are_refused_by_name():
+    model, opt = fresh()
+    model.fc2.half()
+    before = snapshot(model, opt)
+    with pytest.raises(
+        ValueError, match=r"'fc2.weight' has dtype torch.float16, expected torch.float32"
+    ):
+        distamp.wrap(model, opt, opt_level="O2")
+    assert_unchanged(before, model, opt)
+
+
+def test_optimizer_with_foreign_parameters_is_refused():
+    model, _ = fresh()
+    stranger = nn.Linear(3, 3)
+    opt = torch.optim.SGD(list(model.parameters()) + list(stranger.parameters()), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\]\['params'\]\[10\].*shape \(3, 3\).*not a parameter"
+    ):
+        distamp.wrap(model, opt, opt_level="O2")
+    assert_unchanged(before, model, opt)
+
+
+def test_wrapping_twice_is_refused():
+    model, opt = fresh()
+    model, opt = distamp.wrap(model, opt, opt_level="O2")
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="already wrapped"):
+        distamp.wrap(model, opt, opt_level="O2")
+    other = NormMLP()
+    with pytest.raises(ValueError, match="optimizer was already wrapped"):
+        distamp.wrap(other, opt, opt_level="O2")
+    assert_unchanged(before, model, opt)
+    with pytest.raises(ValueError, match="more than once"):
+        distamp.wrap([other, other], opt_level="O2")
+
+
+def test_data_parallel_model_is_refused():
+    model, opt = fresh()
+    dp = nn.DataParallel(model)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"before DistributedDataParallel.*found DataParallel"):
+        distamp.wrap(dp, opt, opt_level="O2")
+    assert_unchanged(before, model, opt)
+
+
+def _wrap_after_ddp(rank, world):
+    model = mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    try:
+        distamp.wrap(ddp, opt, opt_level="O2")
+    except ValueError as err:
+        return str(err), model[0].weight.dtype
+    return None, None
+
+
+def test_wrap_after_ddp_is_refused():
+    ((message, dtype),) = run_ranks(_wrap_after_ddp, 1)
+    assert "distamp.wrap must be called before DistributedDataParallel" in message
+    assert "found DistributedDataParallel (the model)" in message
+    assert dtype == torch.float32
+
+
+def test_model_without_floating_parameters_is_refused():
+    class Empty(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="no floating-point parameters"):
+        distamp.wrap(Empty(), opt_level="O2")
+
+
+def test_wrong_types_are_refused():
+    with pytest.raises(TypeError, match="models: expected a torch.nn.Module"):
+        distamp.wrap("model", opt_level="O2")
+    model, _ = fresh()
+    with pytest.raises(TypeError, match="optimizers: expected a torch.optim.Optimizer"):
+        distamp.wrap(model, {"lr": 1}, opt_level="O2")
+
+
+def test_scale_loss_with_an_unwrapped_optimizer_is_refused():
+    model, opt = fresh()
+    loss = model(torch.randn(4, 8)).sum()
+    with pytest.raises(TypeError, match="was not returned by distamp.wrap"):
+        with distamp.scale_loss(loss, opt):
+            pass
+
+
+def _trained_once():
+    model, opt = fresh()
+    model, opt = distamp.wrap(model, opt, opt_level="O2")
+    return model, opt
+
+
+def test_step_before_backward_is_refused():
+    model, opt = _trained_once()
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="no gradients were produced"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    with pytest.raises(RuntimeError, match="no distamp.scale_loss"):
+        distamp.unscale_(opt)
+
+
+def test_step_with_closure_is_refused():
+    model, opt = _trained_once()
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_backward_after_unscale_is_refused():
+    model, opt = _trained_once()
+    loss = model(torch.randn(4, 8)).sum()
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    distamp.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        with distamp.scale_loss(model(torch.randn(4, 8)).sum(), opt):
+            pass
+
+
+def test_loading_optimizer_state_of_another_model_is_refused():
+    model, opt = _trained_once()
+    small = mlp(hidden=5)
+    small, small_opt = distamp.wrap(
+        small, torch.optim.SGD(small.parameters(), lr=0.1), opt_level="O2"
+    )
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="master tensors|shape"):
+        opt.load_state_dict(small_opt.state_dict())
+    assert_unchanged(before, model, opt)
+    plain = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'distamp' entry"):
+        opt.load_state_dict(plain.state_dict())
+
+
+def test_optimizers_from_different_wrap_calls_cannot_share_a_loss():
+    m1, o1 = _trained_once()
+    m2, o2 = _trained_once()
+    loss = m1(torch.randn(4, 8)).sum() + m2(torch.randn(4, 8)).sum()
+    with pytest.raises(ValueError, match="different distamp.wrap calls"):
+        with distamp.scale_loss(loss, [o1, o2]):
+            pass

@@ -1,0 +1,98 @@
+"""LossScaler: init, growth, backoff, hysteresis, floor and cap; its state is plain data."""
+
+import math
+
+import pytest
+
+from distamp import LossScaler
+
+
+def test_dynamic_init_is_2_16_capped_by_max():
+    assert LossScaler().scale == 2.0**16
+    assert LossScaler(max_loss_scale=2.0**10).scale == 2.0**10
+    assert LossScaler(min_loss_scale=2.0**20, max_loss_scale=2.0**24).scale == 2.0**20
+
+
+def test_grows_2x_after_2000_clean_steps_and_backs_off_half_on_overflow():
+    s = LossScaler()
+    for _ in range(1999):
+        s.update(False)
+    assert s.scale == 2.0**16
+    s.update(False)
+    assert s.scale == 2.0**17
+    s.update(True)
+    assert s.scale == 2.0**16
+    for _ in range(1999):
+        s.update(False)
+    s.update(True)  # an overflow resets the clean-step count
+    for _ in range(1999):
+        s.update(False)
+    assert s.scale == 2.0**15
+
+
+def test_growth_is_capped_and_never_non_finite():
+    s = LossScaler(max_loss_scale=2.0**17, growth_interval=1)
+    for _ in range(10):
+        s.update(False)
+    assert s.scale == 2.0**17
+    s = LossScaler(max_loss_scale=float(2**1023) * 1.5, init_scale=2.0**1023, growth_interval=1)
+    for _ in range(5):
+        s.update(False)
+    assert math.isfinite(s.scale)
+
+
+def test_hysteresis_delays_backoff_but_every_overflow_counts_as_a_skip():
+    s = LossScaler(hysteresis=3)
+    s.update(True)
+    s.update(True)
+    assert (s.scale, s.consecutive_skips) == (2.0**16, 2)
+    s.update(True)
+    assert s.scale == 2.0**15
+    s.update(False)
+    s.update(True)
+    assert s.scale == 2.0**15  # a clean step re-arms the hysteresis
+
+
+def test_floor_holds_and_marks_the_skip():
+    s = LossScaler(min_loss_scale=2.0**15)
+    s.update(True)
+    assert (s.scale, s.skipped_at_floor) == (2.0**15, False)
+    s.update(True)
+    assert (s.scale, s.skipped_at_floor) == (2.0**15, True)
+
+
+def test_static_scale_never_changes():
+    s = LossScaler(128.0)
+    for overflow in (True, False) * 3000:
+        s.update(overflow)
+    assert s.scale == 128.0
+
+
+def test_state_dict_round_trip_and_refusals():
+    s = LossScaler()
+    s.update(True)
+    s.update(False)
+    t = LossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    assert all(isinstance(v, (int, float, bool)) for v in s.state_dict().values())
+    with pytest.raises(ValueError, match="static"):
+        LossScaler(4.0).load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="positive finite"):
+        t.load_state_dict({**s.state_dict(), "scale": float("inf")})
+    with pytest.raises(ValueError, match="expected keys"):
+        t.load_state_dict({"scale": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"hysteresis": 0}, "hysteresis"),
+    ],
+)
+def test_bad_settings_are_refused(kw, name):
+    with pytest.raises(ValueError, match=name):
+        LossScaler(**kw)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce_
+
 
 @dataclass(frozen=True, kw_only=True)
 class NonFiniteReport:
@@ -54,13 +56,7 @@ def locate_nonfinite(
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     table = torch.zeros(world, 2, dtype=torch.int64)
     table[rank, 0], table[rank, 1] = index, kind
-    if world > 1:
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        on_device = table.to(device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=group)
-        table = on_device.cpu()
+    all_reduce_(table, dist.ReduceOp.SUM, group)
     best = int(table[:, 0].min())
     if best == _NOT_FOUND:
         return None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce_
 from .forensics import NonFiniteGradientError, NonFiniteReport, locate_nonfinite
 
 if TYPE_CHECKING:
@@ -140,21 +141,8 @@ class LossScaler:
 
 
 def all_reduce_max_(flags: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Collective over ``group`` (when distributed): element-wise MAX of ``flags`` across ranks.
-
-    Must be called on every rank of ``group`` with a tensor of the same shape. ``group=None`` with
-    no initialized process group is the single-process case and does nothing.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return flags
-    backend = dist.get_backend(group)
-    if backend == "nccl" and flags.device.type != "cuda":
-        on_device = flags.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
-        flags.copy_(on_device)
-    else:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return flags
+    """Collective over ``group`` (when distributed): element-wise MAX of ``flags`` across ranks."""
+    return all_reduce_(flags, dist.ReduceOp.MAX, group)
 
 
 @dataclass(eq=False)

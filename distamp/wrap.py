@@ -13,6 +13,7 @@ from torch import nn
 
 from . import casting
 from .casting import NORM_TYPES
+from .collectives import check_same_on_all_ranks
 from .config import Properties, check_opt_level, resolve_properties
 from .forensics import NonFiniteReport
 from .optim import AmpOptimizer, AmpOptimizerState, MasterParams, OptState, amp_optimizer_class
@@ -111,6 +112,7 @@ def wrap(
     )
     names = _check_models(model_list)
     _check_optimizers(opt_list, names)
+    check_same_on_all_ranks("distamp.wrap", _fingerprint(props, model_list, opt_list), group)
 
     cast_ids = _params_to_cast(model_list, props) if props.master_weights else set()
     masters = [MasterParams.take(opt, cast_ids) for opt in opt_list]
@@ -138,9 +140,7 @@ def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
         if len({id(i) for i in items}) != len(items):
             raise ValueError(f"{name}: the same {label} appears more than once in the list")
         return items, True
-    raise TypeError(
-        f"{name}: expected a {label} or a list of them, got {type(value).__name__}"
-    )
+    raise TypeError(f"{name}: expected a {label} or a list of them, got {type(value).__name__}")
 
 
 def _same_shape(
@@ -209,6 +209,22 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, 
                         f"optimizers[{seen[id(param)]}]: expected each parameter in one optimizer"
                     )
                 seen[id(param)] = i
+
+
+def _fingerprint(
+    props: Properties, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> list[tuple[str, str]]:
+    """What must be equal on every rank, as (name, value) strings, in a fixed order."""
+    facts = [(f"property {k}", repr(v)) for k, v in props.as_plain_dict().items()]
+    facts.append(("number of models", str(len(models))))
+    for i, model in enumerate(models):
+        for name, param in model.named_parameters():
+            facts.append((f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}"))
+    for i, opt in enumerate(optimizers):
+        facts.append((f"optimizers[{i}] class", type(opt).__name__))
+        sizes = [len(g["params"]) for g in opt.param_groups]
+        facts.append((f"optimizers[{i}] param_groups sizes", str(sizes)))
+    return facts
 
 
 def _params_to_cast(models: list[nn.Module], props: Properties) -> set[int]:

@@ -1,0 +1,70 @@
+"""Small collectives on whichever device the process group's backend needs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def backend_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a collective on ``group`` takes its tensors on (CUDA for NCCL, else CPU)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Collective over ``group``: in-place all-reduce of ``tensor``, moved to the backend's device
+    and back when needed. ``group=None`` (not distributed) or a 1-rank group does nothing."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    device = backend_device(group)
+    if tensor.device == device:
+        dist.all_reduce(tensor, op=op, group=group)
+    else:
+        on_device = tensor.to(device)
+        dist.all_reduce(on_device, op=op, group=group)
+        tensor.copy_(on_device)
+    return tensor
+
+
+def check_same_on_all_ranks(
+    what: str, facts: Sequence[tuple[str, str]], group: dist.ProcessGroup | None
+) -> None:
+    """Collective over ``group``: raise ValueError on every rank unless ``facts`` agree everywhere.
+
+    [Note: fail fast when ranks disagree] A rank configured differently (another opt_level, another
+    model) would otherwise hang or corrupt the first mismatched collective. One all-reduce of a
+    hash; only on a mismatch are the facts gathered to name the first difference.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    digest = hashlib.sha256(repr(list(facts)).encode()).digest()
+    table = torch.zeros(world, dtype=torch.int64)
+    table[rank] = int.from_bytes(digest[:7], "little")
+    all_reduce_(table, dist.ReduceOp.SUM, group)
+    if bool((table == table[0]).all()):
+        return
+    gathered: list[list[tuple[str, str]] | None] = [None] * world
+    dist.all_gather_object(gathered, list(facts), group=group)
+    reference = gathered[0]
+    assert reference is not None
+    for other_rank, other in enumerate(gathered):
+        assert other is not None
+        if other == reference:
+            continue
+        for i in range(max(len(reference), len(other))):
+            mine = reference[i] if i < len(reference) else ("<missing>", "")
+            theirs = other[i] if i < len(other) else ("<missing>", "")
+            if mine != theirs:
+                raise ValueError(
+                    f"{what}: the ranks disagree — rank 0 has {mine[0]}={mine[1]}, rank "
+                    f"{other_rank} has {theirs[0]}={theirs[1]}; every rank must run the same "
+                    "model and settings"
+                )

@@ -102,17 +102,10 @@ class MasterParams:
 
     def copy_to_model(self) -> None:
         """Refresh the half model weights from the masters after a step."""
-        pairs = [(p, m) for p, m, s in zip(*self._zip(), strict=True) if s]
+        pairs = [(p, m) for p, m, s in zip(*self.columns(), strict=True) if s]
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-
-    def reload_masters_from_model(self) -> None:
-        """Take the masters from the model (after the model's weights were loaded)."""
-        with torch.no_grad():
-            for param, master, separate in zip(*self._zip(), strict=True):
-                if separate:
-                    master.copy_(param)
 
     def release_master_grads(self) -> None:
         for master, separate in zip(self.masters, self.separate, strict=True):
@@ -146,7 +139,8 @@ class MasterParams:
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
         return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
 
-    def _zip(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
+    def columns(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
+        """(model params, masters, whether each master is a separate FP32 copy)."""
         return self.model_params, self.masters, self.separate
 
     def _device(self) -> torch.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,8 +117,12 @@ def wrap(
 
     cast_ids = _params_to_cast(model_list, props) if props.master_weights else set()
     masters = [MasterParams.take(opt, cast_ids) for opt in opt_list]
+    separate = {id(p): m for ms in masters for p, m, sep in zip(*ms.columns(), strict=True) if sep}
     for model in model_list:
         casting.cast_model(model, props, device_type)
+        pairs = [(n, separate[id(p)]) for n, p in model.named_parameters() if id(p) in separate]
+        if pairs:
+            model.register_load_state_dict_pre_hook(functools.partial(_load_masters, pairs))
     scalers = ScalerGroup(props, group, names)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
@@ -241,6 +246,26 @@ def _params_to_cast(models: list[nn.Module], props: Properties) -> set[int]:
         for p in model.parameters()
         if p.is_floating_point() and id(p) not in keep
     }
+
+
+def _load_masters(
+    pairs: list[tuple[str, torch.Tensor]],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    """``load_state_dict`` pre-hook of an O2 model: the FP32 masters take the loaded values.
+
+    Weights loaded into the half model after wrap (a pretrained FP32 checkpoint, say) must reach
+    the masters, or the first step would write the old weights back. Taken from the state dict
+    itself, so FP32 values arrive in the masters unrounded.
+    """
+    with torch.no_grad():
+        for name, master in pairs:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                master.copy_(value)
 
 
 def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:

@@ -192,3 +192,15 @@ def test_unscale_then_step_uses_one_decision():
         distamp.unscale_(opt)
     opt.step()
     assert distamp.stats(opt).steps == 1
+
+
+def test_loading_fp32_weights_after_wrap_reaches_the_masters_unrounded():
+    pretrained = mlp(seed=7)
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), opt_level="O2")
+    model.load_state_dict(pretrained.state_dict())
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    expected = [p for p in pretrained.parameters()]
+    assert all(torch.equal(m, e) for m, e in zip(masters, expected, strict=True))
+    train(model, opt, data(1, 4))  # lr 0: the step writes the masters back, unchanged
+    assert torch.equal(model[0].weight, pretrained[0].weight.to(torch.bfloat16))

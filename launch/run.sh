@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The main job: install, then train the example GPT with torchrun on one node.
+#
+#   bash launch/run.sh                                  # 2 ranks, small model, 60 steps, O2
+#   NPROC=4 bash launch/run.sh --size tiny --steps 20   # arguments go to examples/train_gpt.py
+#
+# CPU: gloo, one rank per NPROC (default 2). GPUs: NCCL, one rank per GPU unless NPROC says
+# otherwise. The script picks the backend itself (NCCL when CUDA is available, else gloo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=${PYTHON:-python3}
+
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=$(( GPUS > 0 ? GPUS : 2 ))
+fi
+# Split the cores between the ranks so they do not oversubscribe them (1 thread each when there
+# are at least as many ranks as cores). A value set by the caller wins.
+CORES=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+
+if [[ $# -eq 0 ]]; then
+    set -- --size small --steps 60 --log-every 10
+fi
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"

@@ -26,11 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distamp
 from distamp.hooks import CompressState
 
+# name: (wire dtype or None for DDP's built-in all-reduce, dtype of the model's gradients)
 CONFIGS = {
-    "fp32 all-reduce (DDP default)": None,
-    "fp32 via distamp hook": torch.float32,
-    "distamp fp16_compress_hook": torch.float16,
-    "distamp bf16_compress_hook": torch.bfloat16,
+    "fp32 all-reduce (DDP default)": (None, torch.float32),
+    "fp32 grads, distamp fp16_compress_hook": (torch.float16, torch.float32),
+    "fp32 grads, distamp bf16_compress_hook": (torch.bfloat16, torch.float32),
+    "bf16 grads (O2), distamp bf16 hook": (torch.bfloat16, torch.bfloat16),
 }
 
 
@@ -49,8 +50,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         "nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank, world_size=world
     )
     models, states = {}, {}
-    for name, wire in CONFIGS.items():
-        ddp = DDP(build(args.params, device))
+    for name, (wire, grad_dtype) in CONFIGS.items():
+        ddp = DDP(build(args.params, device).to(grad_dtype))
         if wire is not None:
             states[name] = CompressState(wire_dtype=wire)
             hook = (
@@ -60,10 +61,11 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             )
             ddp.register_comm_hook(states[name], hook)
         models[name] = ddp
-    x = torch.randn(8, 2048, device=device)
+    inputs = {dt: torch.randn(8, 2048, device=device, dtype=dt) for _, dt in CONFIGS.values()}
     times: dict[str, dict[str, list[float]]] = {n: {"sync": [], "local": []} for n in CONFIGS}
     for round_ in range(args.rounds + 1):  # round 0 warms up (and lets DDP rebuild its buckets)
         for name, ddp in models.items():
+            x = inputs[CONFIGS[name][1]]
             for mode in ("sync", "local"):
                 ddp.zero_grad()
                 context = ddp.no_sync() if mode == "local" else contextlib.nullcontext()
@@ -81,10 +83,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                     times[name][mode].append(elapsed)
     params = sum(p.numel() for p in models[next(iter(models))].parameters())
     rows = []
-    for name, wire in CONFIGS.items():
+    for name, (wire, grad_dtype) in CONFIGS.items():
         sync = statistics.median(times[name]["sync"])
         local = statistics.median(times[name]["local"])
-        wire_bytes = params * (4 if wire is None else torch.tensor([], dtype=wire).element_size())
+        wire_bytes = params * torch.tensor([], dtype=wire or grad_dtype).element_size()
         if name in states:
             counted = states[name].bytes_on_wire / (args.rounds + 1)
             assert counted == wire_bytes, (name, counted, wire_bytes)

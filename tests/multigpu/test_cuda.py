@@ -82,3 +82,36 @@ def test_nccl_one_process_per_gpu_skips_together():
         assert r["stats"].skipped_steps == results[0]["stats"].skipped_steps == 1
         for a, b in zip(r["params"], results[0]["params"], strict=True):
             assert torch.equal(a, b)
+
+
+def _nccl_hooks_worker(rank, world, init_file, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for name, hook in (
+        ("fp16", distamp.hooks.fp16_compress_hook),
+        ("bf16", distamp.hooks.bf16_compress_hook),
+    ):
+        w = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.ParameterList([w]), device_ids=[rank]
+        )
+        model.register_comm_hook(None, hook)
+        g = torch.tensor([5e4, 1e-6, 1.0, 0.0], device="cuda")
+        if rank == 0:
+            g[2] = 1e5
+        (w * g).sum().backward()
+        results[name] = w.grad.cpu()
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_hooks_on_nccl_are_overflow_safe():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_nccl_hooks_worker, args=(GPUS, os.path.join(tmp, "rdzv"), tmp), nprocs=GPUS)
+        result = torch.load(os.path.join(tmp, "0.pt"))
+    for grad in result.values():
+        assert torch.isfinite(grad).all()
+        assert abs(grad[0].item() - 5e4) / 5e4 < 1e-3
+        assert grad[1].item() > 0

@@ -39,3 +39,14 @@ def data(steps: int, batch: int, d_in: int = 8, d_out: int = 4, seed: int = 1):
         x = torch.randn(batch, d_in, generator=gen)
         out.append((x, x @ teacher + 0.1 * torch.randn(batch, d_out, generator=gen)))
     return out
+
+
+class GradProbe(nn.Module):
+    """loss = (w * g).sum(): the gradient of w is exactly g, whatever g a rank chooses."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return (self.w * g).sum()

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from models import data, mlp
+from models import GradProbe, data, mlp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,17 +21,6 @@ pytestmark = pytest.mark.xdist_group("hooks")
 
 HOOKS = {"fp16": distamp.hooks.fp16_compress_hook, "bf16": distamp.hooks.bf16_compress_hook}
 WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class GradProbe(nn.Module):
-    """loss = (w * g).sum(): the gradient of w is exactly g, whatever g a rank chooses."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(n))
-
-    def forward(self, g):
-        return (self.w * g).sum()
 
 
 def per_rank_grads(world, n, seed=0):

@@ -92,16 +92,13 @@ def _nccl_hooks_worker(rank, world, init_file, out):
         ("fp16", distamp.hooks.fp16_compress_hook),
         ("bf16", distamp.hooks.bf16_compress_hook),
     ):
-        w = torch.nn.Parameter(torch.zeros(4, device="cuda"))
-        model = torch.nn.parallel.DistributedDataParallel(
-            torch.nn.ParameterList([w]), device_ids=[rank]
-        )
+        model = torch.nn.parallel.DistributedDataParallel(GradProbe(4).cuda(), device_ids=[rank])
         model.register_comm_hook(None, hook)
         g = torch.tensor([5e4, 1e-6, 1.0, 0.0], device="cuda")
         if rank == 0:
             g[2] = 1e5
-        (w * g).sum().backward()
-        results[name] = w.grad.cpu()
+        model(g).backward()
+        results[name] = model.module.w.grad.cpu()
     torch.save(results, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
 

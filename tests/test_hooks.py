@@ -7,7 +7,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_harness import run_ranks
 from models import GradProbe, data, mlp
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from models import data, mlp
+from models import GradProbe, data, mlp
 
 import distamp
 

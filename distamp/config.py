@@ -315,15 +315,7 @@ def resolve_properties(
             f"shard_master_weights=True needs FP32 master weights, which opt_level {level} "
             f"with master_weights={chosen['master_weights']} does not keep"
         )
-    if shard_master_weights:
-        # [Note: sharded masters] The sharded (ZeRO-1) master optimizer is not part of this
-        # version yet; until it is, the masters are replicated on every rank, which gives the same
-        # numbers at a higher memory cost. Asking for sharding explicitly must not silently get less.
-        raise NotImplementedError(
-            "shard_master_weights=True: sharded FP32 master weights are not available in this "
-            "version of distamp; leave shard_master_weights=None (replicated masters)"
-        )
-    shard = False
+    shard = (masters and world_size > 1) if shard_master_weights is None else shard_master_weights
     return Properties(
         opt_level=level,
         enabled=enabled,

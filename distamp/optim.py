@@ -19,7 +19,7 @@ import enum
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -42,12 +42,38 @@ class OptState(enum.Enum):
     """``unscale_`` ran: gradients are true gradients and the skip decision is made."""
 
 
+class MasterWeights(Protocol):
+    """What the optimizer and the scaler need from its masters, replicated or sharded."""
+
+    sharded: bool
+    model_params: list[nn.Parameter]
+
+    def after_cast(self) -> None: ...
+    def model_grads(self) -> list[torch.Tensor | None]: ...
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor: ...
+    def check(self) -> torch.Tensor: ...
+    def step_grads(self) -> list[torch.Tensor]: ...
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor: ...
+    def copy_to_model(self) -> None: ...
+    def release_master_grads(self) -> None: ...
+    def zero_model_grads(self, set_to_none: bool) -> None: ...
+    def rescale_grads_(self, factor: float) -> None: ...
+    def master_bytes(self) -> int: ...
+    def master_tensors(self) -> list[torch.Tensor]: ...
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
+    def load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
+    ) -> None: ...
+
+
 class MasterParams:
     """The (model parameter, FP32 master) pairs of one optimizer, replicated on every rank.
 
     A model parameter that stays FP32 (O0/O1, norm layers under O2) is its own master; only
     parameters that are cast to a half dtype get a separate FP32 copy.
     """
+
+    sharded = False
 
     def __init__(self, model_params: list[nn.Parameter], masters: list[torch.Tensor]) -> None:
         assert len(model_params) == len(masters)
@@ -96,6 +122,45 @@ class MasterParams:
                 master.grad = param.grad.detach().to(torch.float32)
             grads.append(master.grad if separate else param.grad)  # type: ignore[arg-type]
         return _check_and_unscale(grads, inv_scale, self._device())
+
+    def after_cast(self) -> None:
+        """Nothing to do once the model is cast (the sharded version re-lays the weights out)."""
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The unscaled gradients the inner optimizer steps."""
+        grads = [
+            m.grad if s else p.grad
+            for p, m, s in zip(self.model_params, self.masters, self.separate, strict=True)
+        ]
+        return [g for g in grads if g is not None]
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip :meth:`step_grads` to ``max_norm``; no collective: the reduced gradients (and so
+        their norm) are identical on every rank."""
+        grads = self.step_grads()
+        if not grads:
+            return torch.tensor(0.0)
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The tensors a state dict saves as masters (the separate FP32 copies)."""
+        return [m for m, s in zip(self.masters, self.separate, strict=True) if s]
+
+    def load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
+    ) -> None:
+        """Take weights loaded into the model into the masters (FP32 values stay unrounded)."""
+        with torch.no_grad():
+            for param, master, separate in zip(*self.columns(), strict=True):
+                if not separate:
+                    continue
+                value = state_dict.get(prefix + names.get(id(param), ""))
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    master.copy_(value)
 
     def check(self) -> torch.Tensor:
         """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
@@ -185,7 +250,7 @@ def _by_device_and_dtype(
 class AmpOptimizerState:
     """What distamp keeps for one wrapped optimizer (``optimizer._distamp``)."""
 
-    def __init__(self, group: ScalerGroup, index: int, masters: MasterParams) -> None:
+    def __init__(self, group: ScalerGroup, index: int, masters: MasterWeights) -> None:
         self.group = group
         self.index = index
         self.masters = masters
@@ -289,11 +354,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         out = super().state_dict()
         st = self._distamp
         out["distamp"] = {
-            "masters": [
-                m.detach().clone()
-                for m, s in zip(st.masters.masters, st.masters.separate, strict=True)
-                if s
-            ],
+            "masters": [m.detach().clone() for m in st.masters.master_tensors()],
             "steps": st.steps,
             "skipped_steps": st.skipped_steps,
             "scalers": [s.state_dict() for s in st.group.scalers],
@@ -311,7 +372,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer.load_state_dict: expected a state dict saved from a distamp-wrapped "
                 "optimizer (with a 'distamp' entry), got one without it"
             )
-        masters = [m for m, s in zip(st.masters.masters, st.masters.separate, strict=True) if s]
+        masters = st.masters.master_tensors()
         saved = extra["masters"]
         if len(saved) != len(masters):
             raise ValueError(

@@ -283,6 +283,7 @@ class ScalerGroup:
         """See [Note: the hook makes the overflow check local]."""
         return (
             not self.attribute_per_backward
+            and not st.masters.sharded
             and bool(st.reducing_hooks)
             and all(h.buckets_reduced > 0 for h in st.reducing_hooks)
         )

@@ -17,8 +17,16 @@ from .casting import NORM_TYPES
 from .collectives import check_same_on_all_ranks
 from .config import Properties, check_opt_level, resolve_properties
 from .forensics import NonFiniteReport
-from .optim import AmpOptimizer, AmpOptimizerState, MasterParams, OptState, amp_optimizer_class
+from .optim import (
+    AmpOptimizer,
+    AmpOptimizerState,
+    MasterParams,
+    MasterWeights,
+    OptState,
+    amp_optimizer_class,
+)
 from .scaler import ScalerGroup
+from .shard import ShardedMasterParams
 
 _DISABLED = "_distamp_disabled"
 """Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
@@ -116,13 +124,20 @@ def wrap(
     check_same_on_all_ranks("distamp.wrap", _fingerprint(props, model_list, opt_list), group)
 
     cast_ids = _params_to_cast(model_list, props) if props.master_weights else set()
-    masters = [MasterParams.take(opt, cast_ids) for opt in opt_list]
-    separate = {id(p): m for ms in masters for p, m, sep in zip(*ms.columns(), strict=True) if sep}
+    masters: list[MasterWeights] = [
+        ShardedMasterParams.take(opt, cast_ids, group)
+        if props.shard_master_weights
+        else MasterParams.take(opt, cast_ids)
+        for opt in opt_list
+    ]
     for model in model_list:
         casting.cast_model(model, props, device_type)
-        pairs = [(n, separate[id(p)]) for n, p in model.named_parameters() if id(p) in separate]
-        if pairs:
-            model.register_load_state_dict_pre_hook(functools.partial(_load_masters, pairs))
+    for master in masters:
+        master.after_cast()
+    if props.master_weights:
+        for model in model_list:
+            own = {id(p): n for n, p in model.named_parameters()}
+            model.register_load_state_dict_pre_hook(functools.partial(_load_masters, masters, own))
     scalers = ScalerGroup(props, group, names)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
@@ -249,7 +264,8 @@ def _params_to_cast(models: list[nn.Module], props: Properties) -> set[int]:
 
 
 def _load_masters(
-    pairs: list[tuple[str, torch.Tensor]],
+    masters: list[MasterWeights],
+    names: dict[int, str],
     module: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
@@ -261,11 +277,8 @@ def _load_masters(
     the masters, or the first step would write the old weights back. Taken from the state dict
     itself, so FP32 values arrive in the masters unrounded.
     """
-    with torch.no_grad():
-        for name, master in pairs:
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and value.shape == master.shape:
-                master.copy_(value)
+    for master in masters:
+        master.load_from_state_dict(state_dict, prefix, names)
 
 
 def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:
@@ -407,22 +420,9 @@ def clip_grad_norm_(
             "clip_grad_norm_() was called but no distamp.scale_loss() backward ran on this "
             "optimizer since the last step()"
         )
-    grads = [
-        (m.grad if s else p.grad)
-        for p, m, s in zip(
-            st.masters.model_params, st.masters.masters, st.masters.separate, strict=True
-        )
-    ]
-    present = [g for g in grads if g is not None]
     if st.overflow:
         return torch.tensor(float("inf"))
-    if not present:
-        return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(present, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        torch._foreach_mul_(present, coef.to(present[0].device))
-    return total
+    return st.masters.clip_(max_norm, norm_type)
 
 
 def stats(optimizer: torch.optim.Optimizer) -> AmpStats:

@@ -104,9 +104,11 @@ def test_bad_values_are_refused_by_name(kw, name):
         props("O2", **kw)
 
 
-def test_sharding_explicitly_requested_is_not_silently_dropped():
-    with pytest.raises((NotImplementedError, ValueError), match="shard_master_weights"):
-        props("O2", shard_master_weights=True)
+def test_sharding_is_on_by_default_with_masters_and_several_ranks():
+    assert props("O2", world_size=2).shard_master_weights is True
+    assert props("O2", world_size=1).shard_master_weights is False
+    assert props("O2", world_size=4, shard_master_weights=False).shard_master_weights is False
+    assert props("O3", world_size=2).shard_master_weights is False  # no masters to shard
     with pytest.raises(ValueError, match="shard_master_weights"):
         props("O1", shard_master_weights=True)
 

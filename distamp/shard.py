@@ -1,0 +1,289 @@
+"""Sharded FP32 master weights (ZeRO stage 1): each rank holds and steps 1/N of the masters.
+
+[Note: flat padded shards] For each param group, the parameters that are cast to the half dtype
+are laid end to end in one flat buffer (in ``param_groups`` order, identical on every rank), padded
+to a multiple of the world size, and cut into N equal shards; a parameter may straddle two shards
+(DeepSpeed/Megatron do the same). Rank r owns elements ``[r*S, (r+1)*S)`` of every group: its FP32
+masters and the optimizer state of exactly that range. The inner optimizer's group then holds one
+flat FP32 tensor per group, so any element-wise ``torch.optim`` optimizer (SGD, Adam/AdamW, Adagrad,
+RMSprop, ...) steps it unchanged and keeps its per-group lr/weight_decay. Parameters that stay FP32
+(normalization layers under O2) are few and small: they stay whole and replicated, stepped
+identically on every rank. Frozen parameters (``requires_grad=False``) are left out.
+
+[Note: gradient path] The gradients reach the shard through DDP's all-reduce (or distamp's comm
+hook) and a local slice. Megatron's reduce-scatter + all-gather moves 2x the data of a step
+instead of 3x, but on gloo reduce_scatter is slower than all_reduce (measured in
+benchmarks/sharded_optimizer.py), and the all-reduce path works with any DDP configuration;
+distamp takes the slice. After the step, the updated shard is cast to the half dtype and one
+all-gather per group writes every rank's shard into the model's weights, which are views into a
+flat half buffer laid out like the shards, so nothing is copied after the gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import all_reduce_
+from .optim import nonfinite_flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamRange:
+    """Where one parameter lives in its group's flat buffer."""
+
+    group: int
+    """Index of the param group."""
+    index: int
+    """Position of the parameter in the group's flat layout."""
+    start: int
+    """First element in the group's flat buffer."""
+    numel: int
+    """Number of elements."""
+    shape: tuple[int, ...]
+    """The parameter's shape."""
+
+
+class _Group:
+    """One param group's flat layout and this rank's shard of it."""
+
+    def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
+        self.params = params
+        self.ranges: list[ParamRange] = []
+        offset = 0
+        for i, p in enumerate(params):
+            self.ranges.append(
+                ParamRange(
+                    group=group_index, index=i, start=offset, numel=p.numel(), shape=tuple(p.shape)
+                )
+            )
+            offset += p.numel()
+        self.total = offset
+        self.shard_size = max(1, math.ceil(offset / world))
+        self.padded = self.shard_size * world
+        self.lo = rank * self.shard_size
+        self.hi = self.lo + self.shard_size
+        # (param index, first element in the param, count, first element in the shard)
+        self.pieces: list[tuple[int, int, int, int]] = []
+        for r in self.ranges:
+            a, b = max(r.start, self.lo), min(r.start + r.numel, self.hi)
+            if a < b:
+                self.pieces.append((r.index, a - r.start, b - a, a - self.lo))
+        self.flat_half: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None
+
+
+class ShardedMasterParams:
+    """The FP32 master shards of one optimizer; same interface as :class:`optim.MasterParams`."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        groups: list[_Group],
+        shards: list[torch.Tensor],
+        replicated: list[nn.Parameter],
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.groups = groups
+        self.shards = shards
+        self.replicated = replicated
+        self.process_group = process_group
+        self.model_params: list[nn.Parameter] = [p for g in groups for p in g.params] + replicated
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world = dist.get_world_size(process_group) if process_group is not None else 1
+
+    @classmethod
+    def take(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        cast_ids: set[int],
+        process_group: dist.ProcessGroup | None,
+    ) -> ShardedMasterParams:
+        """Replace each group's cast parameters by this rank's flat FP32 shard of them.
+
+        Must run before the model is cast, so the masters hold the exact FP32 values.
+        """
+        world = dist.get_world_size(process_group) if process_group is not None else 1
+        rank = dist.get_rank(process_group) if process_group is not None else 0
+        groups: list[_Group] = []
+        shards: list[torch.Tensor] = []
+        replicated: list[nn.Parameter] = []
+        for g, param_group in enumerate(optimizer.param_groups):
+            sharded = [p for p in param_group["params"] if id(p) in cast_ids and p.requires_grad]
+            kept = [p for p in param_group["params"] if not (id(p) in cast_ids and p.requires_grad)]
+            for p in sharded:
+                if p in optimizer.state:
+                    raise ValueError(
+                        "shard_master_weights: the optimizer already holds state for a parameter "
+                        f"of shape {tuple(p.shape)}; wrap before the first step (or load the "
+                        "optimizer state after wrap)"
+                    )
+            layout = _Group(sharded, g, world, rank)
+            shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
+            with torch.no_grad():
+                for index, src, count, dst in layout.pieces:
+                    shard[dst : dst + count].copy_(
+                        sharded[index].detach().reshape(-1)[src : src + count]
+                    )
+            shard.requires_grad_(True)
+            groups.append(layout)
+            shards.append(shard)
+            replicated += kept
+            param_group["params"] = [shard, *kept] if sharded else kept
+        return cls(groups, shards, replicated, process_group)
+
+    def after_cast(self) -> None:
+        """Lay each group's half parameters out as views into one flat buffer (the gather target)."""
+        for layout in self.groups:
+            if not layout.params:
+                continue
+            dtype = layout.params[0].dtype
+            flat = torch.zeros(layout.padded, dtype=dtype, device=layout.params[0].device)
+            with torch.no_grad():
+                for r, p in zip(layout.ranges, layout.params, strict=True):
+                    view = flat[r.start : r.start + r.numel].view(r.shape)
+                    view.copy_(p.data)
+                    p.data = view
+            layout.flat_half = flat
+            layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
+
+    # -- what the step needs ---------------------------------------------------------------------
+
+    def model_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model_params]
+
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        """Fill this rank's FP32 shard grads from the model grads, unscaled; flag non-finite ones.
+
+        The flag covers every gradient this rank holds, not only its shard: a non-finite value
+        written on one rank outside the range it owns must still skip the step everywhere (the
+        skip decision reduces the flags with MAX, see [Note: one decision for all ranks]). That
+        costs one read-only pass over the local half gradients.
+        """
+        from .optim import _check_and_unscale
+
+        grads: list[torch.Tensor] = []
+        for layout, shard in zip(self.groups, self.shards, strict=True):
+            if not layout.params:
+                continue
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+            else:
+                shard.grad.zero_()
+            for index, src, count, dst in layout.pieces:
+                grad = layout.params[index].grad
+                if grad is not None:
+                    shard.grad[dst : dst + count].copy_(grad.reshape(-1)[src : src + count])
+            grads.append(shard.grad)
+        grads += [p.grad for p in self.replicated if p.grad is not None]
+        flag = _check_and_unscale(grads, inv_scale, self._device())
+        outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
+        return torch.maximum(flag, nonfinite_flag(outside, self._device()))
+
+    def check(self) -> torch.Tensor:
+        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The unscaled gradients the inner optimizer steps (this rank's part)."""
+        grads = [s.grad for s in self.shards if s.grad is not None]
+        return grads + [p.grad for p in self.replicated if p.grad is not None]
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Collective: global norm over every rank's shard (replicated params counted once)."""
+        shard_grads = [s.grad for s in self.shards if s.grad is not None]
+        replicated = [p.grad for p in self.replicated if p.grad is not None]
+        device = self._device()
+        inf_norm = math.isinf(norm_type)
+        local = torch.zeros(1, dtype=torch.float32, device=device)
+        for grads, count_here in ((shard_grads, True), (replicated, self.rank == 0)):
+            if not grads or not count_here:
+                continue
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            part = norms.max() if inf_norm else norms.pow(norm_type).sum()
+            local = torch.maximum(local, part.reshape(1)) if inf_norm else local + part
+        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+        all_reduce_(local, op, self.process_group)
+        total = local[0] if inf_norm else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in shard_grads + replicated:
+                g.mul_(coef.to(g.device))
+        return total
+
+    def copy_to_model(self) -> None:
+        """Collective: cast this rank's updated shard down and all-gather every group's shards."""
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        with torch.no_grad():
+            for layout, shard in zip(self.groups, self.shards, strict=True):
+                if layout.flat_half is None or layout.send is None:
+                    continue
+                layout.send.copy_(shard)
+                if self.process_group is None or self.world == 1:
+                    layout.flat_half.copy_(layout.send)
+                else:
+                    gather(layout.flat_half, layout.send, group=self.process_group)
+
+    def release_master_grads(self) -> None:
+        for shard in self.shards:
+            shard.grad = None
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        for param in self.model_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+        self.release_master_grads()
+
+    def rescale_grads_(self, factor: float) -> None:
+        grads = [p.grad for p in self.model_params if p.grad is not None]
+        if grads and factor != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
+
+    def master_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.shards)
+
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
+        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The tensors a state dict saves as this rank's masters (the shards)."""
+        return list(self.shards)
+
+    def load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
+    ) -> None:
+        """Take this rank's shard of weights loaded into the model (FP32 values stay unrounded)."""
+        with torch.no_grad():
+            for layout, shard in zip(self.groups, self.shards, strict=True):
+                for index, src, count, dst in layout.pieces:
+                    p = layout.params[index]
+                    value = state_dict.get(prefix + names.get(id(p), ""))
+                    if isinstance(value, torch.Tensor) and value.numel() == p.numel():
+                        shard[dst : dst + count].copy_(value.reshape(-1)[src : src + count])
+
+    def layout(self) -> list[list[ParamRange]]:
+        """Per group, where each parameter lives in the flat buffer (what resharding needs)."""
+        return [list(g.ranges) for g in self.groups]
+
+    def _device(self) -> torch.device:
+        for p in self.model_params:
+            return p.device
+        return torch.device("cpu")
+
+
+def _device(params: Sequence[nn.Parameter]) -> torch.device:
+    for p in params:
+        return p.device
+    return torch.device("cpu")

@@ -92,7 +92,7 @@ class MasterParams:
         for group in optimizer.param_groups:
             new_params = []
             for param in group["params"]:
-                if id(param) in cast_ids:
+                if id(param) in cast_ids and param.requires_grad:  # frozen ones are never stepped
                     master = param.detach().clone(memory_format=torch.preserve_format)
                     master.requires_grad_(param.requires_grad)
                     if param in optimizer.state:

@@ -118,13 +118,6 @@ class ShardedMasterParams:
         for g, param_group in enumerate(optimizer.param_groups):
             sharded = [p for p in param_group["params"] if id(p) in cast_ids and p.requires_grad]
             kept = [p for p in param_group["params"] if not (id(p) in cast_ids and p.requires_grad)]
-            for p in sharded:
-                if p in optimizer.state:
-                    raise ValueError(
-                        "shard_master_weights: the optimizer already holds state for a parameter "
-                        f"of shape {tuple(p.shape)}; wrap before the first step (or load the "
-                        "optimizer state after wrap)"
-                    )
             layout = _Group(sharded, g, world, rank)
             shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
             with torch.no_grad():
@@ -133,6 +126,9 @@ class ShardedMasterParams:
                         sharded[index].detach().reshape(-1)[src : src + count]
                     )
             shard.requires_grad_(True)
+            state = _shard_state([optimizer.state.pop(p, {}) for p in sharded], layout, shard)
+            if state:
+                optimizer.state[shard] = state
             groups.append(layout)
             shards.append(shard)
             replicated += kept
@@ -281,6 +277,42 @@ class ShardedMasterParams:
         for p in self.model_params:
             return p.device
         return torch.device("cpu")
+
+
+def _shard_state(
+    states: list[dict[str, Any]], layout: _Group, shard: torch.Tensor
+) -> dict[str, Any]:
+    """Merge per-parameter optimizer state that exists before wrap (Adagrad creates its sums in
+    its constructor) into the state of this rank's flat shard."""
+    if not any(states):
+        return {}
+    merged: dict[str, Any] = {}
+    for key in states[0]:
+        values: list[Any] = [st.get(key) for st in states]
+        first = values[0]
+        if all(
+            isinstance(v, torch.Tensor) and v.shape == p.shape
+            for v, p in zip(values, layout.params, strict=True)
+        ):
+            flat = torch.zeros_like(shard, dtype=first.dtype)
+            for index, src, count, dst in layout.pieces:
+                flat[dst : dst + count].copy_(values[index].reshape(-1)[src : src + count])
+            merged[key] = flat
+        elif all(_same_scalar(v, first) for v in values):
+            merged[key] = first.clone() if isinstance(first, torch.Tensor) else first
+        else:
+            raise ValueError(
+                f"shard_master_weights: optimizer state {key!r} differs between parameters of "
+                f"param group {layout.ranges[0].group if layout.ranges else 0} and cannot be "
+                "sharded; wrap before the first step"
+            )
+    return merged
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.numel() == 1 and b.numel() == 1 and bool(a == b)
+    return a == b
 
 
 def _device(params: Sequence[nn.Parameter]) -> torch.device:

@@ -33,6 +33,9 @@ from torch import nn
 from .collectives import all_reduce_
 from .optim import nonfinite_flag
 
+CHUNK = 1 << 18
+"""Largest slice of a shard the inner optimizer steps as one tensor; see [Note: chunked shards]."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParamRange:
@@ -88,11 +91,16 @@ class ShardedMasterParams:
         self,
         groups: list[_Group],
         shards: list[torch.Tensor],
+        chunks: list[list[torch.Tensor]],
         replicated: list[nn.Parameter],
         process_group: dist.ProcessGroup | None,
     ) -> None:
         self.groups = groups
         self.shards = shards
+        """Per group, this rank's flat FP32 masters (the chunks share their storage)."""
+        self.chunks = chunks
+        """Per group, the leaf tensors the inner optimizer steps: slices of the shard."""
+        self.shard_grads: list[torch.Tensor | None] = [None] * len(shards)
         self.replicated = replicated
         self.process_group = process_group
         self.model_params: list[nn.Parameter] = [p for g in groups for p in g.params] + replicated
@@ -114,6 +122,7 @@ class ShardedMasterParams:
         rank = dist.get_rank(process_group) if process_group is not None else 0
         groups: list[_Group] = []
         shards: list[torch.Tensor] = []
+        all_chunks: list[list[torch.Tensor]] = []
         replicated: list[nn.Parameter] = []
         for g, param_group in enumerate(optimizer.param_groups):
             sharded = [p for p in param_group["params"] if id(p) in cast_ids and p.requires_grad]
@@ -125,15 +134,33 @@ class ShardedMasterParams:
                     shard[dst : dst + count].copy_(
                         sharded[index].detach().reshape(-1)[src : src + count]
                     )
-            shard.requires_grad_(True)
+            # [Note: chunked shards] The inner optimizer steps the shard as slices of at most
+            # CHUNK elements that share its storage: element-wise optimizers make several passes
+            # per tensor, and a slice that stays in cache runs them 2-3x faster on CPU than one
+            # flat tensor (AdamW on 10M values: 23 ms vs 63 ms).
+            chunks = (
+                [
+                    shard[a : a + CHUNK].detach().requires_grad_(True)
+                    for a in range(0, shard.numel(), CHUNK)
+                ]
+                if sharded
+                else []
+            )
             state = _shard_state([optimizer.state.pop(p, {}) for p in sharded], layout, shard)
-            if state:
-                optimizer.state[shard] = state
+            for a, chunk in zip(range(0, shard.numel(), CHUNK), chunks, strict=True):
+                if state:
+                    optimizer.state[chunk] = {
+                        k: v[a : a + chunk.numel()].clone()
+                        if isinstance(v, torch.Tensor) and v.shape == shard.shape
+                        else v
+                        for k, v in state.items()
+                    }
             groups.append(layout)
             shards.append(shard)
+            all_chunks.append(chunks)
             replicated += kept
-            param_group["params"] = [shard, *kept] if sharded else kept
-        return cls(groups, shards, replicated, process_group)
+            param_group["params"] = [*chunks, *kept]
+        return cls(groups, shards, all_chunks, replicated, process_group)
 
     def after_cast(self) -> None:
         """Lay each group's half parameters out as views into one flat buffer (the gather target)."""
@@ -166,18 +193,18 @@ class ShardedMasterParams:
         from .optim import _check_and_unscale
 
         grads: list[torch.Tensor] = []
-        for layout, shard in zip(self.groups, self.shards, strict=True):
+        for i, (layout, shard) in enumerate(zip(self.groups, self.shards, strict=True)):
             if not layout.params:
                 continue
-            if shard.grad is None:
-                shard.grad = torch.zeros_like(shard)
-            else:
-                shard.grad.zero_()
+            flat_grad = torch.zeros_like(shard)
             for index, src, count, dst in layout.pieces:
                 grad = layout.params[index].grad
                 if grad is not None:
-                    shard.grad[dst : dst + count].copy_(grad.reshape(-1)[src : src + count])
-            grads.append(shard.grad)
+                    flat_grad[dst : dst + count].copy_(grad.reshape(-1)[src : src + count])
+            for a, chunk in zip(range(0, shard.numel(), CHUNK), self.chunks[i], strict=True):
+                chunk.grad = flat_grad[a : a + chunk.numel()]
+            self.shard_grads[i] = flat_grad
+            grads.append(flat_grad)
         grads += [p.grad for p in self.replicated if p.grad is not None]
         flag = _check_and_unscale(grads, inv_scale, self._device())
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
@@ -188,12 +215,12 @@ class ShardedMasterParams:
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps (this rank's part)."""
-        grads = [s.grad for s in self.shards if s.grad is not None]
+        grads = [g for g in self.shard_grads if g is not None]
         return grads + [p.grad for p in self.replicated if p.grad is not None]
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Collective: global norm over every rank's shard (replicated params counted once)."""
-        shard_grads = [s.grad for s in self.shards if s.grad is not None]
+        shard_grads = [g for g in self.shard_grads if g is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         device = self._device()
         inf_norm = math.isinf(norm_type)
@@ -227,8 +254,10 @@ class ShardedMasterParams:
                     gather(layout.flat_half, layout.send, group=self.process_group)
 
     def release_master_grads(self) -> None:
-        for shard in self.shards:
-            shard.grad = None
+        for chunks in self.chunks:
+            for chunk in chunks:
+                chunk.grad = None
+        self.shard_grads = [None] * len(self.shards)
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         for param in self.model_params:

@@ -289,8 +289,8 @@ def main() -> None:
             f"{cfg.n_embd} wide, {cfg.n_head} heads) | data {tokens.numel() / 2**20:.1f} MB of "
             f"stdlib source | world size {world_size} | backend {backend or 'none'} on {device} | "
             f"{threads} threads/rank | opt_level {args.opt_level} | half dtype "
-            f"{str(half).removeprefix('torch.')} | batch {args.grad_accum}x{args.batch_size}x"
-            f"{args.seq_len} per rank",
+            f"{str(half).removeprefix('torch.')} | batch {args.batch_size}x{args.seq_len} per rank"
+            f" x {args.grad_accum} micro-batches per step",
             flush=True,
         )
 
@@ -302,7 +302,7 @@ def main() -> None:
         for micro in range(args.grad_accum):
             x, y = data.batch(args.batch_size, device)
             last = micro == args.grad_accum - 1
-            # DDP all-reduces the gradients of the last micro-batch only, the sum of all of them.
+            # Under no_sync DDP only accumulates; the last backward all-reduces the whole sum.
             with contextlib.nullcontext() if last else no_sync():
                 logits = train_model(x)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())

@@ -66,7 +66,48 @@ class MasterWeights(Protocol):
     ) -> None: ...
 
 
-class MasterParams:
+class ModelGrads:
+    """What replicated and sharded masters share: the model side of the gradients."""
+
+    model_params: list[nn.Parameter]
+
+    def release_master_grads(self) -> None:
+        raise NotImplementedError
+
+    def model_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model_params]
+
+    def check(self) -> torch.Tensor:
+        """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
+        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        for param in self.model_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+        self.release_master_grads()
+
+    def rescale_grads_(self, factor: float) -> None:
+        grads = [p.grad for p in self.model_params if p.grad is not None]
+        if grads and factor != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
+
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
+        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
+
+    def _device(self) -> torch.device:
+        for param in self.model_params:
+            return param.device
+        return torch.device("cpu")
+
+
+class MasterParams(ModelGrads):
     """The (model parameter, FP32 master) pairs of one optimizer, replicated on every rank.
 
     A model parameter that stays FP32 (O0/O1, norm layers under O2) is its own master; only
@@ -104,9 +145,6 @@ class MasterParams:
                 new_params.append(master)
             group["params"] = new_params
         return cls(model_params, masters)
-
-    def model_grads(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.model_params]
 
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
         """Put ``grad * inv_scale`` in FP32 on the masters; return a 0/1 flag of non-finite grads."""
@@ -162,10 +200,6 @@ class MasterParams:
                 if isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
 
-    def check(self) -> torch.Tensor:
-        """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
-        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
-
     def copy_to_model(self) -> None:
         """Refresh the half model weights from the masters after a step."""
         pairs = [(p, m) for p, m, s in zip(*self.columns(), strict=True) if s]
@@ -178,23 +212,6 @@ class MasterParams:
             if separate:
                 master.grad = None
 
-    def zero_model_grads(self, set_to_none: bool) -> None:
-        for param in self.model_params:
-            if param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.detach_()
-                param.grad.zero_()
-        self.release_master_grads()
-
-    def rescale_grads_(self, factor: float) -> None:
-        grads = [p.grad for p in self.model_params if p.grad is not None]
-        if grads and factor != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, factor)
-
     def master_bytes(self) -> int:
         return sum(
             m.numel() * m.element_size()
@@ -202,17 +219,9 @@ class MasterParams:
             if s
         )
 
-    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
-        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
-
     def columns(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
         """(model params, masters, whether each master is a separate FP32 copy)."""
         return self.model_params, self.masters, self.separate
-
-    def _device(self) -> torch.device:
-        for param in self.model_params:
-            return param.device
-        return torch.device("cpu")
 
 
 def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

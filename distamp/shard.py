@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce_
-from .optim import nonfinite_flag
+from .optim import ModelGrads, nonfinite_flag
 
 CHUNK = 1 << 18
 """Largest slice of a shard the inner optimizer steps as one tensor; see [Note: chunked shards]."""
@@ -82,7 +82,7 @@ class _Group:
         self.send: torch.Tensor | None = None
 
 
-class ShardedMasterParams:
+class ShardedMasterParams(ModelGrads):
     """The FP32 master shards of one optimizer; same interface as :class:`optim.MasterParams`."""
 
     sharded = True
@@ -179,9 +179,6 @@ class ShardedMasterParams:
 
     # -- what the step needs ---------------------------------------------------------------------
 
-    def model_grads(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.model_params]
-
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
         """Fill this rank's FP32 shard grads from the model grads, unscaled; flag non-finite ones.
 
@@ -209,9 +206,6 @@ class ShardedMasterParams:
         flag = _check_and_unscale(grads, inv_scale, self._device())
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
-
-    def check(self) -> torch.Tensor:
-        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps (this rank's part)."""
@@ -259,28 +253,8 @@ class ShardedMasterParams:
                 chunk.grad = None
         self.shard_grads = [None] * len(self.shards)
 
-    def zero_model_grads(self, set_to_none: bool) -> None:
-        for param in self.model_params:
-            if param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.detach_()
-                param.grad.zero_()
-        self.release_master_grads()
-
-    def rescale_grads_(self, factor: float) -> None:
-        grads = [p.grad for p in self.model_params if p.grad is not None]
-        if grads and factor != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_(grads, factor)
-
     def master_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.shards)
-
-    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
-        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""
@@ -301,11 +275,6 @@ class ShardedMasterParams:
     def layout(self) -> list[list[ParamRange]]:
         """Per group, where each parameter lives in the flat buffer (what resharding needs)."""
         return [list(g.ranges) for g in self.groups]
-
-    def _device(self) -> torch.device:
-        for p in self.model_params:
-            return p.device
-        return torch.device("cpu")
 
 
 def _shard_state(

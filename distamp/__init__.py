@@ -6,7 +6,8 @@ with distamp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()                                                    # skipped on every rank together
 """
 
-from . import hooks
+from . import checkpoint, hooks
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
 from .scaler import LossScaler
@@ -16,13 +17,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpStats",
+    "CheckpointError",
     "LossScaler",
     "NonFiniteGradientError",
     "NonFiniteReport",
     "Properties",
     "__version__",
+    "checkpoint",
     "clip_grad_norm_",
     "hooks",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "scale_loss",
     "stats",
     "unscale_",

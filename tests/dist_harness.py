@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240.0
+GRACE_AFTER_DEATH_S = 10.0
 
 
 def _entry(
@@ -48,7 +50,8 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
     ``fn`` must be a module-level function (spawned processes import it). A rank that raises makes
-    this raise with that rank's traceback; a hang is killed after ``timeout`` seconds.
+    this raise with that rank's traceback; a hang is killed after ``timeout`` seconds, and the
+    surviving ranks are killed ``GRACE_AFTER_DEATH_S`` after one rank died by a signal.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="distamp-test-") as tmp:
@@ -59,8 +62,16 @@ def run_ranks(
         ]
         for proc in procs:
             proc.start()
-        for proc in procs:
-            proc.join(timeout)
+        # Like torchrun: once a rank dies by a signal (killed, crashed), the others cannot finish
+        # their collectives; stop them after a grace period instead of waiting for the timeout.
+        deadline = time.monotonic() + timeout
+        died_at: float | None = None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if died_at is None and any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+                died_at = time.monotonic()
+            if died_at is not None and time.monotonic() > died_at + GRACE_AFTER_DEATH_S:
+                break
+            time.sleep(0.05)
         hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
         for proc in procs:
             if proc.is_alive():

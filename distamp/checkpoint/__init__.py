@@ -1,0 +1,17 @@
+"""Sharded checkpoints: save at one world size, resume at any, consolidate to one FP32 file.
+
+``python -m distamp.checkpoint inspect DIR`` / ``consolidate DIR OUT.pt`` are the command line.
+"""
+
+from .api import consolidate, consolidate_optimizer_state, inspect, load_checkpoint, save_checkpoint
+from .files import CheckpointError, latest_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "consolidate",
+    "consolidate_optimizer_state",
+    "inspect",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -1,0 +1,67 @@
+"""``python -m distamp.checkpoint inspect DIR`` and ``python -m distamp.checkpoint consolidate DIR OUT``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .api import consolidate, inspect
+from .files import CheckpointError
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distamp.checkpoint", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="summarize a checkpoint directory")
+    p_inspect.add_argument("directory", type=Path)
+    p_inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p_cons = sub.add_parser(
+        "consolidate", help="write one FP32 state dict that a plain, unwrapped model loads"
+    )
+    p_cons.add_argument("directory", type=Path)
+    p_cons.add_argument("output", type=Path)
+    p_cons.add_argument("--model-index", type=int, default=0, help="which model of a list")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect(args.directory)
+            if args.json:
+                print(json.dumps({k: v for k, v in info.items()}, indent=2, default=str))
+                return 0
+            print(f"checkpoint   {info['directory']}")
+            print(f"step         {info['step']}")
+            print(f"world size   {info['world_size']}")
+            print(
+                f"opt_level    {info['opt_level']}  (half dtype {info['properties']['half_dtype']})"
+            )
+            print(f"parameters   {info['parameters']:,}")
+            for i, o in enumerate(info["optimizers"]):
+                print(
+                    f"optimizer {i}  {o['class']}, {o['steps']} steps, {o['skipped_steps']} skipped"
+                )
+            print(f"loss scales  {', '.join(f'{s:g}' for s in info['loss_scales']) or '-'}")
+            print(f"on disk      {_mb(info['bytes_on_disk'])} in {len(info['files']) + 2} files")
+            for name, size in sorted(info["files"].items()):
+                print(f"  {name:<24} {_mb(size)}")
+            return 0
+        state = consolidate(args.directory, model_index=args.model_index)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, args.output)
+        count = sum(v.numel() for v in state.values() if v.is_floating_point())
+        print(f"wrote {args.output}: {len(state)} entries, {count:,} FP32 values")
+        return 0
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

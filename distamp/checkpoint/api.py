@@ -1,0 +1,754 @@
+"""``save_checkpoint``, ``load_checkpoint``, ``consolidate``: sharded checkpoints on DCP.
+
+See [Note: canonical checkpoint layout] (state.py) for what is stored and
+[Note: atomic checkpoints] (files.py) for how it is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..optim import OptState
+from . import files
+from .files import CheckpointError, agree
+from .state import (
+    DISABLED,
+    FlatGroup,
+    OptimizerView,
+    check_plain,
+    chunk_slices,
+    flat_masters,
+    flat_starts,
+    flat_state,
+    hyperparameters,
+    kept_state,
+    model_entry,
+    optimizer_views,
+    param_names,
+    to_dtensor,
+    unwrap_model,
+)
+
+PathLike = str | os.PathLike[str]
+
+COMPARED_PROPERTIES = (
+    "opt_level",
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "num_losses",
+)
+"""Properties a checkpoint must share with the run that loads it (sharding and world size may
+differ: see [Note: canonical checkpoint layout])."""
+
+
+class _Target:
+    """The models and optimizers of one save/load call, and their process group."""
+
+    def __init__(self, model: Any, optimizer: Any, what: str) -> None:
+        raw_models = list(model) if isinstance(model, (list, tuple)) else [model]
+        raw_opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for i, m in enumerate(raw_models):
+            if not isinstance(m, nn.Module):
+                raise TypeError(
+                    f"{what}: model[{i}]: expected an nn.Module, got {type(m).__name__}"
+                )
+        for i, o in enumerate(raw_opts):
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{what}: optimizer[{i}]: expected a torch.optim.Optimizer, got {type(o).__name__}"
+                )
+        if not raw_models or not raw_opts:
+            raise ValueError(f"{what}: expected at least one model and one optimizer")
+        self.models = [unwrap_model(m) for m in raw_models]
+        self.names = param_names(self.models)
+        self.views = optimizer_views(raw_opts, self.names)
+        groups = {id(v.st.group) for v in self.views if v.st is not None}
+        if len(groups) > 1:
+            raise ValueError(
+                f"{what}: the optimizers come from different distamp.wrap calls; expected the "
+                "optimizers of one wrap call (save each wrap call in its own checkpoint)"
+            )
+        first = next((v.st for v in self.views if v.st is not None), None)
+        self.scaler_group = first.group if first is not None else None
+        if self.scaler_group is not None:
+            self.props = self.scaler_group.props.as_plain_dict()
+            self.pg = self.scaler_group.process_group
+        else:
+            self.props = getattr(self.views[0].opt, DISABLED).as_plain_dict()
+            self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self.world = dist.get_world_size(self.pg) if self.pg is not None else 1
+        self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
+        for view in self.views:
+            if view.st is not None and view.st.state is not OptState.READY:
+                raise RuntimeError(
+                    f"{what}: optimizers[{view.index}] has gradients pending from scale_loss "
+                    f"(state {view.st.state.value}); expected a checkpoint between optimizer.step() "
+                    "and the next backward (call step() or zero_grad() first)"
+                )
+
+    def distributed(self) -> bool:
+        return self.pg is not None and self.world > 1
+
+    def piece_tensor(self, local: torch.Tensor, total: int) -> torch.Tensor:
+        """What DCP gets for one canonical flat tensor: a DTensor over the group, or the tensor."""
+        if self.distributed():
+            assert self.pg is not None
+            return to_dtensor(local, total, self.pg)
+        return local
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: PathLike, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None
+) -> str:
+    """Collective over the wrapped optimizer's process group: write a sharded checkpoint.
+
+    Each rank writes its shard of the FP32 masters and optimizer state; the model weights,
+    loss scalers, step counters, properties, per-rank RNG states and ``extra`` (rank 0's: plain
+    data such as the epoch, the data position, ``scheduler.state_dict()``) go along. The
+    directory appears only once every rank has finished (an existing one is replaced), so a crash
+    leaves the previous checkpoint intact. Returns the directory.
+    """
+    target = _Target(model, optimizer, "save_checkpoint")
+    directory = Path(directory)
+    pg = target.pg
+    plain_extra = agree("save_checkpoint: extra", lambda: check_plain(extra or {}, "extra"), pg)
+    agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
+    tmp = directory.with_name(directory.name + files.INCOMPLETE)
+
+    state_dict, manifest = agree(
+        "save_checkpoint: collecting state", lambda: _collect(target, plain_extra), pg
+    )
+    agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank), pg)
+    with _quiet_single_process(not target.distributed()):
+        dcp.save(
+            state_dict,
+            storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
+            process_group=pg,
+            no_dist=not target.distributed(),
+        )
+    share = agree(
+        "save_checkpoint: hashing", lambda: files.hash_share(tmp, target.rank, target.world), pg
+    )
+    shares: list[Any] = [share]
+    if target.distributed():
+        shares = [None] * target.world
+        dist.all_gather_object(shares, share, group=pg)
+
+    def finish() -> None:
+        if target.rank != 0:
+            return
+        manifest["files"] = {k: v for s in shares for k, v in s.items()}
+        files.write_manifest_and_commit(tmp, manifest)
+        files.commit(tmp, directory)
+
+    agree("save_checkpoint: committing", finish, pg)
+    return str(directory)
+
+
+@contextlib.contextmanager
+def _quiet_single_process(single: bool) -> Any:
+    """DCP warns that it "assumes the intent" of a single process; here that is the intent."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _prepare(directory: Path, rank: int) -> None:
+    """Rank 0 creates the empty temporary directory; the others wait for it in ``agree``."""
+    if rank == 0:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        files.prepare_tmp(directory)
+
+
+def _collect(target: _Target, extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DCP state dict (this rank's pieces) and the manifest (identical on every rank)."""
+    rank, world = target.rank, target.world
+    sd: dict[str, Any] = {}
+    models = []
+    for i, model in enumerate(target.models):
+        entry = model_entry(i, model, len(target.models))
+        models.append(entry)
+        if rank == 0:
+            # Rank 0's copy only: buffers (BatchNorm statistics) may differ between ranks, and
+            # DDP takes rank 0's (broadcast_buffers); DCP would write an arbitrary rank's.
+            for key, value in model.state_dict().items():
+                sd[f"model.{i}.{key}"] = value.detach()
+    optimizers = []
+    for view in target.views:
+        o, opt = view.index, view.opt
+        groups = []
+        kept_entries: dict[str, Any] = {}
+        for g, gv in enumerate(view.groups):
+            flat_entry = None
+            if gv.flat is not None:
+                flat = gv.flat
+                sd[f"optim.{o}.g{g}.master"] = target.piece_tensor(
+                    flat_masters(flat, rank, world), flat.total
+                )
+                tensors, scalars, has_state = flat_state(opt, flat, rank, world)
+                for key, local in tensors.items():
+                    sd[f"optim.{o}.g{g}.state.{key}"] = target.piece_tensor(local, flat.total)
+                flat_entry = {
+                    "names": flat.names,
+                    "shapes": [list(s) for s in flat.shapes],
+                    "total": flat.total,
+                    "tensor_keys": {
+                        k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()
+                    },
+                    "scalars": scalars,
+                    "has_state": has_state,
+                }
+            for name, tensor in gv.kept:
+                tensors, scalars = kept_state(opt, tensor)
+                for key, value in tensors.items():
+                    sd[f"optim.{o}.p.{name}.{key}"] = value
+                kept_entries[name] = {
+                    "tensor_keys": {
+                        k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()
+                    },
+                    "scalars": scalars,
+                    "has_state": bool(opt.state.get(tensor)),
+                    "shape": list(tensor.shape),
+                }
+            groups.append({"flat": flat_entry, "kept": [name for name, _ in gv.kept]})
+        st = view.st
+        optimizers.append(
+            {
+                "class": type(opt).__name__,
+                "hyper": hyperparameters(opt),
+                "groups": groups,
+                "kept": kept_entries,
+                "steps": st.steps if st is not None else 0,
+                "skipped_steps": st.skipped_steps if st is not None else 0,
+            }
+        )
+    scalers = (
+        [s.state_dict() for s in target.scaler_group.scalers]
+        if target.scaler_group is not None
+        else []
+    )
+    step = extra.get("step") if isinstance(extra, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        step = optimizers[0]["steps"]
+    from .. import __version__
+
+    manifest = {
+        "format": files.FORMAT,
+        "distamp_version": __version__,
+        "torch_version": str(torch.__version__),
+        "step": step,
+        "world_size": world,
+        "properties": target.props,
+        "models": models,
+        "optimizers": optimizers,
+        "scalers": scalers,
+        "extra": extra,
+    }
+    return sd, manifest
+
+
+def _save_rng(tmp: Path, rank: int) -> None:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    version, internal, gauss = random.getstate()
+    state["python"] = {
+        "version": version,
+        "state": torch.tensor(internal, dtype=torch.int64),
+        "gauss": gauss,
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
+    except ImportError:
+        pass
+    with open(tmp / f"rng-{rank}.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load_rng(directory: Path, rank: int) -> None:
+    state = torch.load(directory / f"rng-{rank}.pt", weights_only=True)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            npst = state["numpy"]
+            np.random.set_state(
+                (
+                    npst["kind"],
+                    npst["keys"].numpy().astype("uint32"),
+                    npst["pos"],
+                    npst["has_gauss"],
+                    npst["cached"],
+                )
+            )
+        except ImportError:
+            pass
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+def load_checkpoint(directory: PathLike, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Collective over the wrapped optimizer's process group: restore a checkpoint; return ``extra``.
+
+    Works at any world size (DCP reads each rank's piece of the canonical tensors), sharded or
+    replicated. The files are verified against the manifest first, and the model and the
+    properties are compared with the checkpoint's: any difference raises
+    :class:`CheckpointError` on every rank, naming it, before anything is changed. Pending
+    gradients are dropped. RNG states are restored when the world size is the one saved.
+    """
+    target = _Target(model, optimizer, "load_checkpoint")
+    directory = Path(directory)
+    pg = target.pg
+    manifest = agree("load_checkpoint", lambda: files.read_manifest(directory), pg)
+    agree("load_checkpoint", lambda: _check_compatible(manifest, target), pg)
+    agree(
+        "load_checkpoint: verifying files",
+        lambda: files.verify_share(directory, manifest["files"], target.rank, target.world),
+        pg,
+    )
+    dest, install = agree(
+        "load_checkpoint: preparing buffers", lambda: _destination(manifest, target), pg
+    )
+    try:
+        with _quiet_single_process(not target.distributed()):
+            dcp.load(
+                dest,
+                storage_reader=dcp.FileSystemReader(directory),
+                process_group=pg,
+                no_dist=not target.distributed(),
+            )
+    except Exception as exc:
+        raise CheckpointError(
+            f"load_checkpoint: {directory}: reading the shards failed: {exc}"
+        ) from exc
+    install(dest)
+    for view in target.views:
+        if view.st is not None:
+            view.st.masters.copy_to_model()  # collective when sharded
+    if manifest["world_size"] == target.world:
+        agree("load_checkpoint: RNG state", lambda: _load_rng(directory, target.rank), pg)
+    extra = manifest.get("extra") or {}
+    return extra if isinstance(extra, dict) else {"extra": extra}
+
+
+def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
+    saved = manifest["properties"]
+    for key in COMPARED_PROPERTIES:
+        if saved.get(key) != target.props.get(key):
+            raise CheckpointError(
+                f"the checkpoint was saved with {key}={saved.get(key)!r}, this run has "
+                f"{key}={target.props.get(key)!r}; wrap with the same opt_level and properties"
+            )
+    if len(manifest["models"]) != len(target.models):
+        raise CheckpointError(
+            f"expected {len(manifest['models'])} model(s) as saved, got {len(target.models)}"
+        )
+    for i, (entry, model) in enumerate(zip(manifest["models"], target.models, strict=True)):
+        mine = model_entry(i, model, len(target.models))["keys"]
+        theirs = entry["keys"]
+        where = "model" if len(target.models) == 1 else f"models[{i}]"
+        for key in list(theirs) + [k for k in mine if k not in theirs]:
+            if key not in mine:
+                raise CheckpointError(f"{where}: the checkpoint has {key!r}, this model does not")
+            if key not in theirs:
+                raise CheckpointError(f"{where}: this model has {key!r}, the checkpoint does not")
+            if list(mine[key][0]) != list(theirs[key][0]):
+                raise CheckpointError(
+                    f"{where}: {key!r} has shape {tuple(theirs[key][0])} in the checkpoint, "
+                    f"{tuple(mine[key][0])} in this model"
+                )
+    if len(manifest["optimizers"]) != len(target.views):
+        raise CheckpointError(
+            f"expected {len(manifest['optimizers'])} optimizer(s) as saved, got {len(target.views)}"
+        )
+    for entry, view in zip(manifest["optimizers"], target.views, strict=True):
+        o = view.index
+        if entry["class"] != type(view.opt).__name__:
+            raise CheckpointError(
+                f"optimizers[{o}]: the checkpoint holds {entry['class']} state, this optimizer "
+                f"is a {type(view.opt).__name__}"
+            )
+        if len(entry["groups"]) != len(view.groups):
+            raise CheckpointError(
+                f"optimizers[{o}]: {len(entry['groups'])} param group(s) in the checkpoint, "
+                f"{len(view.groups)} here"
+            )
+        for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
+            saved_flat = saved_group["flat"]
+            mine_flat = (
+                None if gv.flat is None else (gv.flat.names, [list(s) for s in gv.flat.shapes])
+            )
+            theirs_flat = (
+                None if saved_flat is None else (saved_flat["names"], saved_flat["shapes"])
+            )
+            if mine_flat != theirs_flat or saved_group["kept"] != [n for n, _ in gv.kept]:
+                raise CheckpointError(
+                    f"optimizers[{o}].param_groups[{g}] holds other parameters than in the "
+                    "checkpoint; expected the same parameters in the same order"
+                )
+    if len(manifest["scalers"]) != (
+        len(target.scaler_group.scalers) if target.scaler_group is not None else 0
+    ):
+        raise CheckpointError(
+            f"expected {len(manifest['scalers'])} loss scaler(s) (num_losses) as saved"
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, Any], Any]:
+    """Fresh buffers for everything this rank reads, and the function that installs them."""
+    rank, world = target.rank, target.world
+    dest: dict[str, Any] = {}
+    for i, entry in enumerate(manifest["models"]):
+        for key, (shape, dtype) in entry["keys"].items():
+            dest[f"model.{i}.{key}"] = torch.empty(shape, dtype=_dtype(dtype))
+    local_bufs: dict[str, torch.Tensor] = {}
+    for entry, view in zip(manifest["optimizers"], target.views, strict=True):
+        o = view.index
+        for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
+            flat = gv.flat
+            if flat is not None:
+                saved_flat = saved_group["flat"]
+                keys = {"master": torch.float32} | {
+                    f"state.{k}": _dtype(d) for k, d in saved_flat["tensor_keys"].items()
+                }
+                for key, dtype in keys.items():
+                    name = f"optim.{o}.g{g}.{key}"
+                    device = _flat_device(flat)
+                    if flat.sharded is not None:
+                        lo, hi = flat.piece(rank, world)
+                        size = flat.sharded.groups[flat.group].shard_size
+                        buf = torch.zeros(size, dtype=dtype, device=device)
+                        local_bufs[name] = buf
+                        dest[name] = target.piece_tensor(buf[: hi - lo], flat.total)
+                    else:
+                        buf = torch.zeros(flat.total, dtype=dtype, device=device)
+                        local_bufs[name] = buf
+                        dest[name] = buf
+            for name, tensor in gv.kept:
+                for key, dtype in entry["kept"][name]["tensor_keys"].items():
+                    dest[f"optim.{o}.p.{name}.{key}"] = torch.empty(
+                        tensor.shape, dtype=_dtype(dtype), device=tensor.device
+                    )
+
+    def install(loaded: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for i, model in enumerate(target.models):
+                prefix = f"model.{i}."
+                model.load_state_dict(
+                    {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)},
+                    strict=True,
+                )
+            for entry, view in zip(manifest["optimizers"], target.views, strict=True):
+                _install_optimizer(entry, view, loaded, local_bufs)
+            if target.scaler_group is not None:
+                for scaler, saved in zip(
+                    target.scaler_group.scalers, manifest["scalers"], strict=True
+                ):
+                    scaler.load_state_dict(saved)
+
+    return dest, install
+
+
+def _flat_device(flat: FlatGroup) -> torch.device:
+    if flat.sharded is not None:
+        return flat.sharded.shards[flat.group].device
+    return flat.masters[0].device
+
+
+def _install_optimizer(
+    entry: dict[str, Any],
+    view: OptimizerView,
+    loaded: dict[str, Any],
+    local_bufs: dict[str, torch.Tensor],
+) -> None:
+    o, opt = view.index, view.opt
+    opt.zero_grad(set_to_none=True)
+    opt.state.clear()
+    for group, hyper in zip(opt.param_groups, entry["hyper"], strict=True):
+        for key, value in hyper.items():
+            group[key] = value
+    for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
+        flat = gv.flat
+        if flat is not None:
+            saved_flat = saved_group["flat"]
+            prefix = f"optim.{o}.g{g}."
+            states = {k: local_bufs[prefix + "state." + k] for k in saved_flat["tensor_keys"]}
+            has_state = saved_flat["has_state"]
+            if flat.sharded is not None:
+                shard = flat.sharded.shards[flat.group]
+                shard.copy_(local_bufs[prefix + "master"])
+                if any(has_state):
+                    scalars = _one_scalar_per_key(saved_flat, f"optimizers[{o}].param_groups[{g}]")
+                    for chunk, (a, b) in zip(
+                        flat.sharded.chunks[flat.group], chunk_slices(shard.numel()), strict=True
+                    ):
+                        opt.state[chunk] = {k: v[a:b].clone() for k, v in states.items()} | {
+                            k: _clone(v) for k, v in scalars.items()
+                        }
+            else:
+                full = local_bufs[prefix + "master"]
+                for i, (master, start) in enumerate(
+                    zip(flat.masters, flat_starts(flat.shapes), strict=True)
+                ):
+                    n = master.numel()
+                    master.copy_(full[start : start + n].view(master.shape))
+                    if not has_state[i]:
+                        continue
+                    per = {
+                        k: v[start : start + n].view(master.shape).clone()
+                        for k, v in states.items()
+                    }
+                    for k, values in saved_flat["scalars"].items():
+                        if values[i] is not None:
+                            per[k] = _clone(values[i])
+                    opt.state[master] = per
+        for name, tensor in gv.kept:
+            saved = entry["kept"][name]
+            if not saved["has_state"]:
+                continue
+            per = {k: loaded[f"optim.{o}.p.{name}.{k}"].clone() for k in saved["tensor_keys"]}
+            per |= {k: _clone(v) for k, v in saved["scalars"].items()}
+            opt.state[tensor] = per
+    st = view.st
+    if st is not None:
+        st.steps = int(entry["steps"])
+        st.skipped_steps = int(entry["skipped_steps"])
+        st.last_step_skipped = False
+        st.reset()
+
+
+def _one_scalar_per_key(saved_flat: dict[str, Any], where: str) -> dict[str, Any]:
+    """Sharded masters step a group as one tensor: its scalar state must be one value."""
+    out = {}
+    for key, values in saved_flat["scalars"].items():
+        present = [
+            (name, v)
+            for name, v, has in zip(
+                saved_flat["names"], values, saved_flat["has_state"], strict=True
+            )
+            if has and v is not None
+        ]
+        if not present:
+            continue
+        first_name, first = present[0]
+        for name, value in present[1:]:
+            if not _same(value, first):
+                raise CheckpointError(
+                    f"{where}: optimizer state {key!r} is {_show(first)} for {first_name!r} but "
+                    f"{_show(value)} for {name!r}; sharded masters keep one value per param "
+                    "group: load this checkpoint with shard_master_weights=False"
+                )
+        out[key] = first
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def _show(value: Any) -> str:
+    return repr(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# -- offline --------------------------------------------------------------------------------------
+
+
+def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
+    manifest = files.read_manifest(directory)
+    files.verify_share(directory, manifest["files"], 0, 1)
+    with _quiet_single_process(True):
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+
+
+def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """One FP32 state dict of model ``model_index`` from a checkpoint, without the ranks.
+
+    Parameters with FP32 masters get the master values (not the rounded half weights); other
+    floating-point entries are cast to FP32; integer buffers stay as they are. A plain, unwrapped
+    FP32 model loads it with ``load_state_dict``. Not a collective.
+    """
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    models = manifest["models"]
+    if not 0 <= model_index < len(models):
+        raise CheckpointError(
+            f"model_index: expected 0..{len(models) - 1} ({len(models)} model(s) saved), "
+            f"got {model_index}"
+        )
+    entry = models[model_index]
+    dest: dict[str, Any] = {
+        f"model.{model_index}.{k}": torch.empty(shape, dtype=_dtype(dtype))
+        for k, (shape, dtype) in entry["keys"].items()
+    }
+    where: dict[str, tuple[str, int, list[int]]] = {}
+    for o, opt in enumerate(manifest["optimizers"]):
+        for g, group in enumerate(opt["groups"]):
+            flat = group["flat"]
+            if flat is None:
+                continue
+            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
+            starts = flat_starts([tuple(s) for s in flat["shapes"]])
+            for name, start, shape in zip(flat["names"], starts, flat["shapes"], strict=True):
+                where[name] = (f"optim.{o}.g{g}.master", start, shape)
+    _read_offline(directory, dest)
+    out: dict[str, torch.Tensor] = {}
+    for key in entry["keys"]:
+        value = dest[f"model.{model_index}.{key}"]
+        canonical = entry["aliases"].get(key)
+        if canonical is not None and canonical in where:
+            flat_key, start, shape = where[canonical]
+            n = 1
+            for d in shape:
+                n *= d
+            out[key] = dest[flat_key][start : start + n].view(shape).clone()
+        elif value.is_floating_point():
+            out[key] = value.float()
+        else:
+            out[key] = value
+    return out
+
+
+def consolidate_optimizer_state(
+    directory: PathLike, optimizer_index: int = 0
+) -> dict[str, dict[str, Any]]:
+    """Optimizer ``optimizer_index``'s state per parameter name, full-sized, without the ranks.
+
+    ``{name: {"master": FP32 tensor (if separate), "exp_avg": ..., "step": ...}}`` — the same
+    whatever world size or sharding the checkpoint was written with. Not a collective.
+    """
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    opts = manifest["optimizers"]
+    if not 0 <= optimizer_index < len(opts):
+        raise CheckpointError(
+            f"optimizer_index: expected 0..{len(opts) - 1}, got {optimizer_index}"
+        )
+    entry, o = opts[optimizer_index], optimizer_index
+    dest: dict[str, Any] = {}
+    for g, group in enumerate(entry["groups"]):
+        flat = group["flat"]
+        if flat is not None:
+            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
+            for k, d in flat["tensor_keys"].items():
+                dest[f"optim.{o}.g{g}.state.{k}"] = torch.empty(flat["total"], dtype=_dtype(d))
+    for name, saved in entry["kept"].items():
+        for k, d in saved["tensor_keys"].items():
+            dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(saved["shape"], dtype=_dtype(d))
+    _read_offline(directory, dest)
+    out: dict[str, dict[str, Any]] = {}
+    for g, group in enumerate(entry["groups"]):
+        flat = group["flat"]
+        if flat is None:
+            continue
+        starts = flat_starts([tuple(s) for s in flat["shapes"]])
+        for i, (name, start, shape) in enumerate(
+            zip(flat["names"], starts, flat["shapes"], strict=True)
+        ):
+            n = 1
+            for d in shape:
+                n *= d
+            per: dict[str, Any] = {
+                "master": dest[f"optim.{o}.g{g}.master"][start : start + n].view(shape)
+            }
+            if flat["has_state"][i]:
+                for k in flat["tensor_keys"]:
+                    per[k] = dest[f"optim.{o}.g{g}.state.{k}"][start : start + n].view(shape)
+                for k, values in flat["scalars"].items():
+                    if values[i] is not None:
+                        per[k] = values[i]
+            out[name] = per
+    for name, saved in entry["kept"].items():
+        if not saved["has_state"]:
+            out[name] = {}
+            continue
+        per = {k: dest[f"optim.{o}.p.{name}.{k}"] for k in saved["tensor_keys"]}
+        per |= dict(saved["scalars"])
+        out[name] = per
+    return out
+
+
+def inspect(directory: PathLike) -> dict[str, Any]:
+    """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints)."""
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    props = manifest["properties"]
+    params = 0
+    for entry in manifest["models"]:
+        counted = set()
+        for key, canonical in entry["aliases"].items():
+            if canonical in counted:
+                continue
+            counted.add(canonical)
+            shape = entry["keys"][key][0]
+            n = 1
+            for d in shape:
+                n *= d
+            params += n
+    sizes = {name: size for name, (size, _) in manifest["files"].items()}
+    return {
+        "directory": str(directory),
+        "step": manifest["step"],
+        "world_size": manifest["world_size"],
+        "opt_level": props.get("opt_level"),
+        "half_dtype": props.get("cast_model_type") if props.get("master_weights") else None,
+        "properties": props,
+        "parameters": params,
+        "optimizers": [
+            {"class": o["class"], "steps": o["steps"], "skipped_steps": o["skipped_steps"]}
+            for o in manifest["optimizers"]
+        ],
+        "loss_scales": [s["scale"] for s in manifest["scalers"]],
+        "bytes_on_disk": sum(sizes.values())
+        + (directory / files.MANIFEST).stat().st_size
+        + (directory / files.COMMIT).stat().st_size,
+        "files": sizes,
+        "distamp_version": manifest.get("distamp_version"),
+        "torch_version": manifest.get("torch_version"),
+    }

@@ -1,0 +1,208 @@
+"""The files of a checkpoint directory: atomic commit, checksums, the manifest, rank agreement.
+
+[Note: atomic checkpoints] Every rank writes into ``<directory>.incomplete``; once all ranks have
+finished, the files are hashed (each rank hashes its share), rank 0 writes the manifest
+(``distamp.pt``) holding every file's size and SHA-256, then ``COMMIT`` holding the manifest's own
+SHA-256, and renames the directory into place. A directory is a checkpoint iff its ``COMMIT``
+matches its manifest: a save killed at any point leaves either the previous checkpoint or a
+``.incomplete`` directory that :func:`latest_checkpoint` ignores. Overwriting ``directory`` moves
+the old one to ``<directory>.old`` first and deletes it only after the rename, so a crash between
+the two renames still leaves a complete checkpoint on disk.
+
+[Note: verify before reading] On load, the files are hashed against the manifest before DCP opens
+them. That catches truncation and flipped bytes with a message naming the file, and means DCP's
+``.metadata`` (a pickle) is only unpickled when it is byte-for-byte the one distamp wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "distamp.checkpoint/1"
+MANIFEST = "distamp.pt"
+COMMIT = "COMMIT"
+INCOMPLETE = ".incomplete"
+OLD = ".old"
+
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank, naming what is wrong."""
+
+
+# -- agreement across ranks ---------------------------------------------------------------------
+
+
+def agree(what: str, fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Collective over ``group``: run ``fn`` here; raise :class:`CheckpointError` on every rank if
+    it failed on any rank, naming the rank(s) and the error.
+
+    A step that fails on one rank only (a missing file, a mismatched model) must never leave the
+    other ranks waiting in the next collective: every fallible local step goes through here.
+    """
+    result: T | None = None
+    error: str | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # every local failure must reach the other ranks
+        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise CheckpointError(f"{what}: {error}")
+        return result  # type: ignore[return-value]
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [(rank, err) for rank, err in enumerate(errors) if err is not None]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed)
+        raise CheckpointError(f"{what} failed on {len(failed)} rank(s) — {detail}")
+    return result  # type: ignore[return-value]
+
+
+# -- hashing ------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def data_files(directory: Path) -> list[str]:
+    """The files of a checkpoint that the manifest lists (all but the manifest and COMMIT)."""
+    return sorted(
+        p.name for p in directory.iterdir() if p.is_file() and p.name not in (MANIFEST, COMMIT)
+    )
+
+
+def hash_share(directory: Path, rank: int, world: int) -> dict[str, list[Any]]:
+    """{file: [size, sha256]} for this rank's share (every ``world``-th file) of the data files."""
+    names = data_files(directory)
+    return {
+        n: [(directory / n).stat().st_size, sha256_file(directory / n)] for n in names[rank::world]
+    }
+
+
+def verify_share(directory: Path, files: dict[str, list[Any]], rank: int, world: int) -> None:
+    """Check this rank's share of ``files`` against the disk; raise naming the first bad file."""
+    present = set(data_files(directory))
+    missing = sorted(set(files) - present)
+    if missing:
+        raise CheckpointError(f"{directory}: file(s) {missing} listed in the manifest are missing")
+    for name in sorted(files)[rank::world]:
+        size, digest = files[name]
+        found = (directory / name).stat().st_size
+        if found != size:
+            raise CheckpointError(
+                f"{directory / name}: expected {size} bytes, found {found} (truncated or altered)"
+            )
+        if sha256_file(directory / name) != digest:
+            raise CheckpointError(
+                f"{directory / name}: SHA-256 differs from the manifest (the file was altered)"
+            )
+
+
+# -- manifest and commit ------------------------------------------------------------------------
+
+
+def write_manifest_and_commit(tmp: Path, manifest: dict[str, Any]) -> None:
+    """Write ``distamp.pt`` then ``COMMIT`` (its hash) into ``tmp``, both fsynced."""
+    path = tmp / MANIFEST
+    with open(path, "wb") as f:
+        torch.save(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(tmp / COMMIT, "w") as f:
+        f.write(f"{FORMAT}\nsha256 {sha256_file(path)}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a committed checkpoint; raises :class:`CheckpointError` if there is none."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    commit = directory / COMMIT
+    if not commit.is_file():
+        raise CheckpointError(
+            f"{directory}: expected a committed distamp checkpoint, found no {COMMIT} file "
+            "(the save did not finish, or this is not a distamp checkpoint)"
+        )
+    lines = commit.read_text().split()
+    if len(lines) != 3 or lines[0] != FORMAT or lines[1] != "sha256":
+        raise CheckpointError(
+            f"{commit}: expected '{FORMAT}' and the manifest's SHA-256, found {lines[:3]!r}"
+        )
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: the manifest {MANIFEST} is missing")
+    if sha256_file(path) != lines[2]:
+        raise CheckpointError(f"{path}: SHA-256 differs from {COMMIT} (the manifest was altered)")
+    manifest = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: expected format {FORMAT!r}")
+    return manifest
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare_tmp(directory: Path) -> Path:
+    """Rank 0: an empty ``<directory>.incomplete`` (a stale one from a killed save is removed)."""
+    tmp = directory.with_name(directory.name + INCOMPLETE)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(tmp: Path, directory: Path) -> None:
+    """Rank 0: move the finished ``tmp`` into place; see [Note: atomic checkpoints]."""
+    old = directory.with_name(directory.name + OLD)
+    if old.exists():
+        shutil.rmtree(old)
+    if directory.exists():
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    fsync_dir(directory.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
+    """The newest committed checkpoint directly under ``root`` (highest step, then newest), or None.
+
+    Directories of saves that did not finish (``*.incomplete``) and directories whose ``COMMIT``
+    does not match their manifest are ignored. Not a collective: any rank may call it.
+    """
+    base = Path(root)
+    if not base.is_dir():
+        return None
+    best: tuple[int, float, str] | None = None
+    for child in base.iterdir():
+        if not child.is_dir() or child.name.endswith(INCOMPLETE):
+            continue
+        try:
+            manifest = read_manifest(child)
+        except (CheckpointError, OSError, RuntimeError, ValueError):
+            continue
+        key = (int(manifest.get("step", 0)), (child / COMMIT).stat().st_mtime, str(child))
+        if best is None or key > best:
+            best = key
+    return best[2] if best is not None else None

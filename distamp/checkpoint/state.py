@@ -1,0 +1,352 @@
+"""The canonical form of a wrapped model and optimizer: what a checkpoint holds, at any world size.
+
+[Note: canonical checkpoint layout] A checkpoint does not store "rank r's shard": it stores the
+state as it would be on one process, cut into pieces that DCP can reassemble at any world size.
+
+* ``model.{i}.{key}`` — model ``i``'s ``state_dict`` (DDP's ``module.`` prefix stripped), plain
+  tensors written once (DCP deduplicates replicated tensors across ranks).
+* ``optim.{o}.g{g}.master`` — the FP32 masters of param group ``g`` of optimizer ``o``: the
+  parameters that have a separate master, flattened and concatenated in group order (the flat
+  layout of :mod:`distamp.shard`, without its padding). ``optim.{o}.g{g}.state.{k}`` is the
+  element-wise optimizer state ``k`` (Adam's ``exp_avg``, ...) in the same layout.
+  With more than one rank these are DTensors sharded on dim 0 in ``torch.chunk`` pieces — exactly
+  the ZeRO-1 partition, so each rank writes only its own shard. Replicated masters are written the
+  same way (each rank writes its slice of the full tensor), so sharded and replicated checkpoints
+  are interchangeable: a checkpoint saved sharded at 2 ranks loads replicated at 1 rank, and back.
+* ``optim.{o}.p.{name}.{k}`` — tensor state of the parameters that are their own master (O0/O1,
+  FP32 norm layers under O2), by parameter name.
+* Everything that is not a large tensor — scalar optimizer state (Adam's ``step``), which
+  parameters have state, the param groups' hyperparameters, the flat layouts (names and shapes,
+  which is what resharding needs), properties, scalers, counters — goes into the manifest.
+
+Loading allocates fresh buffers for the *current* layout, lets DCP fill them (it reads whatever
+byte ranges overlap this rank's piece), and installs them only once everything was read, so a
+failed load leaves the model and optimizer as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..optim import AmpOptimizer, AmpOptimizerState, MasterParams
+from ..shard import CHUNK, ShardedMasterParams
+from .files import CheckpointError
+
+DISABLED = "_distamp_disabled"  # same attribute as distamp.wrap._DISABLED
+
+
+@dataclass(kw_only=True)
+class FlatGroup:
+    """One param group's parameters with separate FP32 masters, in the canonical flat layout."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    total: int
+    sharded: ShardedMasterParams | None = None
+    """Set when this rank holds a shard (then ``group`` indexes its layouts)."""
+    group: int = 0
+    masters: list[torch.Tensor] = field(default_factory=list)
+    """Replicated: the FP32 master tensors, in layout order."""
+
+    def piece(self, rank: int, world: int) -> tuple[int, int]:
+        """[lo, hi) of the canonical tensor that ``rank`` holds in torch.chunk's partition."""
+        size = max(1, -(-self.total // world))
+        lo = min(rank * size, self.total)
+        return lo, min(lo + size, self.total)
+
+
+@dataclass(kw_only=True)
+class GroupView:
+    """One param group: its flat part (if any) and the parameters that are their own master."""
+
+    flat: FlatGroup | None
+    kept: list[tuple[str, torch.Tensor]]
+    """(name, the tensor the inner optimizer steps) for parameters that are their own master."""
+
+
+@dataclass(kw_only=True)
+class OptimizerView:
+    """How one optimizer's state maps onto the canonical keys."""
+
+    index: int
+    opt: torch.optim.Optimizer
+    st: AmpOptimizerState | None
+    """None when the optimizer was wrapped with ``enabled=False``."""
+    groups: list[GroupView]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP/DataParallel."""
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ in (
+        "DistributedDataParallel",
+        "DataParallel",
+    ):
+        return inner
+    return model
+
+
+def param_names(models: list[nn.Module]) -> dict[int, str]:
+    """id(param) -> qualified name, as ``distamp.wrap`` names them."""
+    names: dict[int, str] = {}
+    for i, model in enumerate(models):
+        for pname, param in model.named_parameters():
+            names.setdefault(id(param), pname if len(models) == 1 else f"models[{i}].{pname}")
+    return names
+
+
+def model_entry(index: int, model: nn.Module, n_models: int) -> dict[str, Any]:
+    """The manifest's description of one model: state keys, parameters, tied aliases."""
+    canonical: dict[int, str] = {}
+    for pname, param in model.named_parameters():
+        canonical.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
+    aliases = {
+        pname: canonical[id(param)]
+        for pname, param in model.named_parameters(remove_duplicate=False)
+    }
+    keys: dict[str, list[Any]] = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"model state_dict entry {key!r} is a {type(value).__name__}; expected tensors "
+                "only (distamp checkpoints hold plain tensors)"
+            )
+        keys[key] = [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    return {"keys": keys, "aliases": aliases}
+
+
+def optimizer_views(
+    optimizers: list[torch.optim.Optimizer], names: dict[int, str]
+) -> list[OptimizerView]:
+    """The canonical view of each optimizer; raises if one was not returned by ``distamp.wrap``."""
+    views = []
+    for o, opt in enumerate(optimizers):
+        if isinstance(opt, AmpOptimizer):
+            st: AmpOptimizerState | None = opt._distamp
+        elif getattr(opt, DISABLED, None) is not None:
+            st = None
+        else:
+            raise CheckpointError(
+                f"optimizers[{o}] ({type(opt).__name__}) was not returned by distamp.wrap: "
+                "expected the optimizer(s) from `model, optimizer = distamp.wrap(model, optimizer)`"
+            )
+        views.append(OptimizerView(index=o, opt=opt, st=st, groups=_group_views(opt, st, names, o)))
+    return views
+
+
+def _name(names: dict[int, str], param: torch.Tensor, o: int) -> str:
+    try:
+        return names[id(param)]
+    except KeyError:
+        raise CheckpointError(
+            f"optimizers[{o}] holds a parameter of shape {tuple(param.shape)} that is not in the "
+            "model(s) passed to the checkpoint: pass every model the optimizer steps"
+        ) from None
+
+
+def _group_views(
+    opt: torch.optim.Optimizer, st: AmpOptimizerState | None, names: dict[int, str], o: int
+) -> list[GroupView]:
+    masters = st.masters if st is not None else None
+    out: list[GroupView] = []
+    if isinstance(masters, ShardedMasterParams):
+        for g, group in enumerate(opt.param_groups):
+            layout = masters.groups[g]
+            flat = None
+            if layout.params:
+                flat = FlatGroup(
+                    names=[_name(names, p, o) for p in layout.params],
+                    shapes=[tuple(p.shape) for p in layout.params],
+                    total=layout.total,
+                    sharded=masters,
+                    group=g,
+                )
+            own = group["params"][len(masters.chunks[g]) :]
+            out.append(GroupView(flat=flat, kept=[(_name(names, p, o), p) for p in own]))
+        return out
+    pairs: dict[int, tuple[nn.Parameter, bool]] = {}
+    if isinstance(masters, MasterParams):
+        for param, master, separate in zip(*masters.columns(), strict=True):
+            pairs[id(master)] = (param, separate)
+    for group in opt.param_groups:
+        flat_params: list[tuple[nn.Parameter, torch.Tensor]] = []
+        kept: list[tuple[str, torch.Tensor]] = []
+        for tensor in group["params"]:
+            param, separate = pairs.get(id(tensor), (tensor, False))
+            if separate:
+                flat_params.append((param, tensor))
+            else:
+                kept.append((_name(names, param, o), tensor))
+        flat = None
+        if flat_params:
+            flat = FlatGroup(
+                names=[_name(names, p, o) for p, _ in flat_params],
+                shapes=[tuple(p.shape) for p, _ in flat_params],
+                total=sum(p.numel() for p, _ in flat_params),
+                masters=[m for _, m in flat_params],
+            )
+        out.append(GroupView(flat=flat, kept=kept))
+    return out
+
+
+def flat_starts(shapes: list[tuple[int, ...]]) -> list[int]:
+    starts, offset = [], 0
+    for shape in shapes:
+        starts.append(offset)
+        offset += _numel(shape)
+    return starts
+
+
+def _numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# -- reading the live state ---------------------------------------------------------------------
+
+
+def flat_masters(flat: FlatGroup, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of the canonical FP32 master tensor (a view where possible)."""
+    lo, hi = flat.piece(rank, world)
+    if flat.sharded is not None:
+        layout = flat.sharded.groups[flat.group]
+        assert (layout.lo, layout.shard_size) == (lo, max(1, -(-flat.total // world))) or lo == hi
+        return flat.sharded.shards[flat.group][: hi - lo]
+    full = torch.cat([m.detach().reshape(-1) for m in flat.masters])
+    return full[lo:hi]
+
+
+def flat_state(
+    opt: torch.optim.Optimizer, flat: FlatGroup, rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]], list[bool]]:
+    """This rank's piece of each element-wise state tensor, the per-parameter scalar state and
+    which parameters have state at all."""
+    lo, hi = flat.piece(rank, world)
+    n = len(flat.names)
+    if flat.sharded is not None:
+        chunks = flat.sharded.chunks[flat.group]
+        states = [opt.state.get(c) for c in chunks]
+        if not any(states):
+            return {}, {}, [False] * n
+        first = states[0] or {}
+        tensors, scalars = {}, {}
+        for key, value in first.items():
+            if isinstance(value, torch.Tensor) and value.shape == chunks[0].shape:
+                tensors[key] = torch.cat([s[key].reshape(-1) for s in states if s])[: hi - lo]
+            else:
+                scalars[key] = [_plain_scalar(value)] * n
+        return tensors, scalars, [True] * n
+    tensors_full: dict[str, list[torch.Tensor]] = {}
+    scalars_out: dict[str, list[Any]] = {}
+    has_state = [bool(opt.state.get(m)) for m in flat.masters]
+    for i, master in enumerate(flat.masters):
+        for key, value in opt.state.get(master, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                tensors_full.setdefault(key, [])
+            else:
+                scalars_out.setdefault(key, [None] * n)[i] = _plain_scalar(value)
+    tensors = {}
+    for key in tensors_full:
+        pieces = []
+        for master in flat.masters:
+            value = opt.state.get(master, {}).get(key)
+            pieces.append(
+                value.detach().reshape(-1)
+                if isinstance(value, torch.Tensor)
+                else torch.zeros(master.numel(), dtype=_state_dtype(opt, flat.masters, key))
+            )
+        tensors[key] = torch.cat(pieces)[lo:hi]
+    return tensors, scalars_out, has_state
+
+
+def _state_dtype(opt: torch.optim.Optimizer, masters: list[torch.Tensor], key: str) -> torch.dtype:
+    for master in masters:
+        value = opt.state.get(master, {}).get(key)
+        if isinstance(value, torch.Tensor):
+            return value.dtype
+    return torch.float32
+
+
+def kept_state(
+    opt: torch.optim.Optimizer, tensor: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(element-wise tensors, scalars) of the state of a parameter that is its own master."""
+    tensors, scalars = {}, {}
+    for key, value in opt.state.get(tensor, {}).items():
+        if isinstance(value, torch.Tensor) and value.shape == tensor.shape and value.dim() > 0:
+            tensors[key] = value.detach()
+        else:
+            scalars[key] = _plain_scalar(value)
+    return tensors, scalars
+
+
+def _plain_scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(
+        f"optimizer state value of type {type(value).__name__} is not a tensor or a number; "
+        "distamp checkpoints hold plain data only"
+    )
+
+
+def hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (lr, betas, weight_decay, ...) without its parameters."""
+    out = []
+    for g, group in enumerate(opt.param_groups):
+        entry = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            entry[key] = check_plain(value, f"param_groups[{g}][{key!r}]")
+        out.append(entry)
+    return out
+
+
+def check_plain(value: Any, path: str) -> Any:
+    """``value`` if it is plain data (what ``torch.load(weights_only=True)`` loads), else raise
+    TypeError naming ``path``. Tensors are detached copies on the CPU."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        items = [check_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{path}: expected str or int keys, found {type(k).__name__} {k!r}")
+            out[k] = check_plain(v, f"{path}[{k!r}]")
+        return out
+    raise TypeError(
+        f"{path}: expected plain data (tensors, numbers, strings, lists, dicts), found "
+        f"{type(value).__name__}; distamp checkpoints load with torch.load(weights_only=True)"
+    )
+
+
+def to_dtensor(local: torch.Tensor, total: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``local`` as this rank's piece of a (total,) DTensor sharded on dim 0 over ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group, local.device.type)
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size([total]), stride=(1,)
+    )
+
+
+def chunk_slices(shard_size: int) -> list[tuple[int, int]]:
+    """The [a, b) slices of a shard that the inner optimizer steps (see distamp.shard CHUNK)."""
+    return [(a, min(a + CHUNK, shard_size)) for a in range(0, shard_size, CHUNK)]

@@ -17,6 +17,8 @@ import contextlib
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import sysconfig
 import time
@@ -169,10 +171,16 @@ class RandomWindows:
             raise ValueError(f"{tokens.numel()} tokens is too few for windows of {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator = torch.Generator()
 
-    def batch(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, size: int, device: torch.device, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch number ``index``: a function of (seed, index) only, so a resumed run draws the
+        batches it would have drawn without the interruption."""
         high = self.tokens.numel() - self.seq_len - 1
+        self.generator.manual_seed(self.seed * 1_000_003 + index)
         starts = torch.randint(high, (size,), generator=self.generator)
         offsets = torch.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets].long().to(device, non_blocking=True)
@@ -205,6 +213,25 @@ def parse_args() -> argparse.Namespace:
         help="reduce gradients in the half dtype with distamp.hooks.register (not at O0)",
     )
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes a summary here")
+    parser.add_argument(
+        "--ckpt-dir", type=Path, default=None, help="save sharded checkpoints under this folder"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)"
+    )
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto': the newest complete checkpoint in --ckpt-dir, if any; 'none'; or a path",
+    )
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept in --ckpt-dir")
+    parser.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="fault injection: the last rank kills itself (SIGKILL) at this step, on the first "
+        "attempt of a torchrun --max-restarts job only",
+    )
     args = parser.parse_args()
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
         if getattr(args, name) < 1:
@@ -237,6 +264,46 @@ def lr_lambda(total_steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def find_resume(args: argparse.Namespace) -> str | None:
+    """The checkpoint to resume from, per --resume and --ckpt-dir (None: start fresh)."""
+    if args.resume == "none":
+        return None
+    if args.resume != "auto":
+        return str(args.resume)
+    if args.ckpt_dir is None:
+        return None
+    return distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one
+
+
+def save(
+    args: argparse.Namespace,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    is_main: bool,
+) -> None:
+    """Collective: a sharded checkpoint of step ``step``; keep the newest ``--keep`` of them."""
+    directory = args.ckpt_dir / f"step_{step:06d}"
+    start = time.perf_counter()
+    distamp.save_checkpoint(  # distamp
+        directory, model, optimizer, extra={"step": step, "scheduler": scheduler.state_dict()}
+    )
+    if is_main:
+        print(f"saved {directory} in {time.perf_counter() - start:.2f} s", flush=True)
+        done = sorted(p for p in args.ckpt_dir.glob("step_*") if (p / "COMMIT").is_file())
+        for old in done[: -args.keep] if args.keep > 0 else []:
+            shutil.rmtree(old)
+
+
+def inject_failure(step: int) -> None:
+    """--fail-at-step: die like a crashed node, on the first attempt only."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    print(f"rank {os.environ.get('RANK', 0)}: injected failure at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -274,6 +341,14 @@ def main() -> None:
         if args.comm_hook and args.opt_level != "O0":  # O0 is the FP32 baseline: FP32 on the wire
             distamp.hooks.register(train_model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
+    first_step = 1
+    resume_from = find_resume(args)
+    if resume_from is not None:
+        extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
+        scheduler.load_state_dict(extra["scheduler"])
+        first_step = int(extra["step"]) + 1
+        if is_main:
+            print(f"resumed from {resume_from} (step {extra['step']})", flush=True)
 
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
@@ -296,11 +371,13 @@ def main() -> None:
 
     step_times: list[float] = []
     loss_sum = torch.zeros((), device=device)
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
+        if step == args.fail_at_step and rank == world_size - 1:
+            inject_failure(step)
         start = time.perf_counter()
         loss_sum.zero_()
         for micro in range(args.grad_accum):
-            x, y = data.batch(args.batch_size, device)
+            x, y = data.batch(args.batch_size, device, step * args.grad_accum + micro)
             last = micro == args.grad_accum - 1
             # Under no_sync DDP only accumulates; the last backward all-reduces the whole sum.
             with contextlib.nullcontext() if last else no_sync():
@@ -331,6 +408,10 @@ def main() -> None:
                     f"{tokens_per_step / step_times[-1]:8.0f} tok/s",
                     flush=True,
                 )
+        if args.ckpt_dir is not None and (
+            step == args.steps or (args.save_every and step % args.save_every == 0)
+        ):
+            save(args, step, model, optimizer, scheduler, is_main)
 
     timed = step_times[WARMUP_STEPS_EXCLUDED:] or step_times
     st = distamp.stats(optimizer)
@@ -349,16 +430,17 @@ def main() -> None:
         "grad_accum": args.grad_accum,
         "steps": args.steps,
         "timed_steps": len(timed),
-        "median_step_s": statistics.median(timed),
-        "mean_step_s": statistics.fmean(timed),
-        "tokens_per_s": tokens_per_step / statistics.median(timed),
+        "first_step": first_step,
+        "median_step_s": statistics.median(timed) if timed else None,
+        "mean_step_s": statistics.fmean(timed) if timed else None,
+        "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
         "final_loss": loss_sum.item(),
         "skipped_steps": st.skipped_steps,
         "loss_scale": st.loss_scales[0],
         "master_bytes": st.master_bytes,
         "optimizer_state_bytes": st.optimizer_state_bytes,
     }
-    if is_main:
+    if is_main and timed:
         print(
             f"done: {args.steps} steps | final loss {summary['final_loss']:.4f} | median step "
             f"{summary['median_step_s'] * 1e3:.1f} ms (mean {summary['mean_step_s'] * 1e3:.1f}, "
@@ -366,9 +448,9 @@ def main() -> None:
             f"skipped {st.skipped_steps} | loss scale {st.loss_scales[0]:g}",
             flush=True,
         )
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if is_main and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
     if backend is not None:
         dist.destroy_process_group()
 

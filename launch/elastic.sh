@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Elastic restart: torchrun restarts the job after a rank dies; the training script resumes from
+# the newest complete checkpoint (distamp.latest_checkpoint), at any world size.
+#
+#   bash launch/elastic.sh                       # demo: rank 1 is SIGKILLed at step 25 of 40,
+#                                                # torchrun restarts, training resumes at step 21
+#   CKPT=/data/run1 FAIL_AT=0 bash launch/elastic.sh --size small --steps 500 --save-every 50
+#   NPROC=4 bash launch/elastic.sh               # resume a 2-rank checkpoint on 4 ranks: no conversion
+#
+# Environment: NPROC (ranks, default 2), CKPT (checkpoint folder, default runs/elastic),
+# MAX_RESTARTS (default 2), FAIL_AT (step of the injected failure on the first attempt, default
+# 25; 0 turns it off). Further arguments go to examples/train_gpt.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=${PYTHON:-python3}
+
+NPROC=${NPROC:-2}
+CKPT=${CKPT:-runs/elastic}
+CORES=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+
+if [[ $# -eq 0 ]]; then
+    set -- --size tiny --steps 40 --log-every 5
+fi
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    --max-restarts="${MAX_RESTARTS:-2}" \
+    examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --save-every 10 \
+    --resume auto --fail-at-step "${FAIL_AT:-25}" "$@"

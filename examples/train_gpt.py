@@ -249,7 +249,23 @@ def setup_distributed() -> tuple[torch.device, str | None]:
     if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no group
         return device, None
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, device_id=device if use_cuda else None)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
+        return device, backend
+    # A restarted attempt (torchrun --max-restarts) reuses the agent's store, where the dead
+    # attempt's ranks left their addresses: a fresh key prefix per attempt keeps gloo from
+    # connecting to them (seen with torch 2.13: "connectFullMesh failed ... Connection refused").
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"distamp-example/attempt{restart}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        device_id=device if use_cuda else None,
+    )
     return device, backend
 
 

@@ -192,7 +192,12 @@ class RandomWindows:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O2")
+    parser.add_argument(
+        "--opt-level",
+        choices=["auto", "O0", "O1", "O2", "O3"],
+        default="auto",
+        help="auto: O2, or O0 on a CPU without bf16 units (where bf16 matmul is ~100x slower)",
+    )
     parser.add_argument("--half-dtype", choices=["auto", "bf16", "fp16"], default="auto")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
@@ -282,6 +287,27 @@ def lr_lambda(total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic units (x86 avx512_bf16/amx_bf16, Arm bf16).
+
+    Read from /proc/cpuinfo, so every rank of a node decides the same; True where it cannot tell.
+    """
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def pick_opt_level(requested: str, device: torch.device, half_dtype: str) -> tuple[str, str]:
+    """(opt_level, why) for --opt-level auto."""
+    if requested != "auto":
+        return requested, ""
+    if device.type == "cuda" or half_dtype == "fp16" or cpu_has_bf16():
+        return "O2", ""
+    return "O0", " (auto: this CPU has no bf16 units, where bf16 runs ~100x slower than FP32)"
+
+
 def find_resume(args: argparse.Namespace) -> str | None:
     """The checkpoint to resume from, per --resume and --ckpt-dir (None: start fresh)."""
     if args.resume == "none":
@@ -346,6 +372,7 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
 
+    args.opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype)
     model, optimizer = distamp.wrap(  # distamp
         model, optimizer, opt_level=args.opt_level, half_dtype=args.half_dtype
     )
@@ -365,6 +392,12 @@ def main() -> None:
         first_step = int(extra["step"]) + 1
         if is_main:
             print(f"resumed from {resume_from} (step {extra['step']})", flush=True)
+            if first_step > args.steps:
+                print(
+                    f"nothing to do: the checkpoint is at step {extra['step']} of --steps "
+                    f"{args.steps} (raise --steps, or pass --resume none to start over)",
+                    flush=True,
+                )
 
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
@@ -379,7 +412,7 @@ def main() -> None:
             f"GPT {args.size}: {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, "
             f"{cfg.n_embd} wide, {cfg.n_head} heads) | data {tokens.numel() / 2**20:.1f} MB of "
             f"stdlib source | world size {world_size} | backend {backend or 'none'} on {device} | "
-            f"{threads} threads/rank | opt_level {args.opt_level} | half dtype "
+            f"{threads} threads/rank | opt_level {args.opt_level}{why} | half dtype "
             f"{str(half).removeprefix('torch.')} | batch {args.batch_size}x{args.seq_len} per rank"
             f" x {args.grad_accum} micro-batches per step",
             flush=True,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: install, then train the example GPT with torchrun on one node.
 #
-#   bash launch/run.sh                                  # 2 ranks, small model, 60 steps, O2
+#   bash launch/run.sh                                  # 2 ranks, small model, 60 steps, O2 (or O0, see below)
 #   NPROC=4 bash launch/run.sh --size tiny --steps 20   # arguments go to examples/train_gpt.py
 #
 # CPU: gloo, one rank per NPROC (default 2). GPUs: NCCL, one rank per GPU unless NPROC says
@@ -21,7 +21,9 @@ CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
 
 if [[ $# -eq 0 ]]; then
-    set -- --size small --steps 60 --log-every 10
+    # O2 (O0 on a CPU without bf16 units); a sharded checkpoint every 20 steps under runs/main
+    # (see launch/elastic.sh for resuming from them).
+    set -- --size small --steps 60 --log-every 10 --ckpt-dir runs/main --save-every 20 --resume none
 fi
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"

@@ -80,6 +80,7 @@ def train(model, opt, sched, rank, world, first, last, inf_at=None):
         opt.step()
         opt.zero_grad()
         sched.step()
+    return ddp
 
 
 def snapshot(model, opt, sched):
@@ -126,9 +127,10 @@ def straight(rank, world, opt_level, shard):
 
 def first_half(rank, world, opt_level, shard, directory):
     model, opt, sched = make(opt_level, shard, dropout=0.2)
-    train(model, opt, sched, rank, world, 0, SAVE_AT, inf_at=INF_AT)
+    ddp = train(model, opt, sched, rank, world, 0, SAVE_AT, inf_at=INF_AT)
+    # The DDP wrapper as users hold it: its "module." prefix is not part of the checkpoint.
     distamp.save_checkpoint(
-        directory, model, opt, extra={"step": SAVE_AT, "scheduler": sched.state_dict()}
+        directory, ddp, opt, extra={"step": SAVE_AT, "scheduler": sched.state_dict()}
     )
 
 
@@ -412,3 +414,81 @@ def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 1})
     assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.incomplete", "junk"]
+
+
+# -- variants, in one process -----------------------------------------------------------------------
+
+
+def build_variant(variant):
+    """(models, optimizers) as the user holds them after wrap, for one configuration."""
+    if variant == "two models":
+        torch.manual_seed(0)
+        a, b = nn.Linear(6, 5), nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3))
+        opts = [
+            torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.AdamW(b.parameters()),
+        ]
+        models, opts = distamp.wrap([a, b], opts, opt_level="O2", num_losses=2, verbosity=0)
+        return models, opts
+    model = Net()
+    if variant == "adagrad sharded":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        return distamp.wrap(model, opt, opt_level="O2", shard_master_weights=True, verbosity=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kwargs = {
+        "O0": {"opt_level": "O0"},
+        "O3": {"opt_level": "O3"},
+        "O2 fp16": {"opt_level": "O2", "half_dtype": torch.float16},
+        "disabled": {"opt_level": "O2", "enabled": False},
+    }[variant]
+    return distamp.wrap(model, opt, verbosity=0, **kwargs)
+
+
+def variant_steps(models, opts, first, last):
+    models = models if isinstance(models, list) else [models]
+    opts = opts if isinstance(opts, list) else [opts]
+    for step in range(first, last):
+        x, y = batch(step, 0, 1)
+        if len(models) == 2:
+            hidden = models[0](x)
+            losses = [hidden.float().pow(2).mean(), F.mse_loss(models[1](hidden), y)]
+            for loss_id, (loss, opt) in enumerate(zip(losses, opts, strict=True)):
+                with distamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                    scaled.backward(retain_graph=loss_id == 0)
+        else:
+            with distamp.scale_loss(F.mse_loss(models[0](x), y), opts[0]) as scaled:
+                scaled.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "variant", ["O0", "O3", "O2 fp16", "disabled", "two models", "adagrad sharded"]
+)
+def test_round_trip_variants_in_one_process(tmp_path, variant):
+    models, opts = build_variant(variant)
+    variant_steps(models, opts, 0, 3)
+    distamp.save_checkpoint(tmp_path / "c", models, opts, extra={"step": 3})
+    expected = [
+        {k: v.clone() for k, v in m.state_dict().items()}
+        for m in (models if isinstance(models, list) else [models])
+    ]
+    variant_steps(models, opts, 3, 5)
+
+    fresh_models, fresh_opts = build_variant(variant)
+    assert distamp.load_checkpoint(tmp_path / "c", fresh_models, fresh_opts) == {"step": 3}
+    fresh_list = fresh_models if isinstance(fresh_models, list) else [fresh_models]
+    for model, state in zip(fresh_list, expected, strict=True):
+        assert_same(model.state_dict(), state, variant)
+    variant_steps(fresh_models, fresh_opts, 3, 5)
+    for a, b in zip(
+        opts if isinstance(opts, list) else [opts],
+        fresh_opts if isinstance(fresh_opts, list) else [fresh_opts],
+        strict=True,
+    ):
+        assert_same(b.state_dict(), a.state_dict(), f"{variant}: optimizer after 2 more steps")
+    consolidated = consolidate(tmp_path / "c")
+    reference = fresh_list[0].state_dict()
+    assert set(consolidated) == set(reference)
+    assert all(v.dtype == torch.float32 for v in consolidated.values() if v.is_floating_point())

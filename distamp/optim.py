@@ -310,8 +310,18 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "through distamp.scale_loss); call step() without a closure"
             )
         st = self._distamp
+        no_grads = all(g is None for g in st.masters.model_grads())
+        if no_grads:
+            fsdp = st.group.sharded_by_fsdp_after_wrap()
+            if fsdp is not None:
+                raise RuntimeError(
+                    f"optimizer.step(): the model was sharded with FSDP after distamp.wrap "
+                    f"(found {fsdp}), so its new sharded parameters are not the ones this "
+                    "optimizer steps; expected distamp.fsdp.fully_shard(model, optimizer, "
+                    "opt_level=...) on the FP32 model instead of wrap + fully_shard"
+                )
         if st.state is OptState.READY:
-            if all(g is None for g in st.masters.model_grads()):
+            if no_grads:
                 raise RuntimeError(
                     "optimizer.step() was called but no gradients were produced since the last "
                     "step: run backward on the loss inside `with distamp.scale_loss(loss, "

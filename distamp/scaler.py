@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ from .collectives import all_reduce_
 from .forensics import NonFiniteGradientError, NonFiniteReport, locate_nonfinite
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from .config import Properties
     from .optim import AmpOptimizerState
 
@@ -194,6 +197,19 @@ class ScalerGroup:
         self.last_nonfinite: NonFiniteReport | None = None
         self.found_inf_collectives = 0
         """All-reduces issued for the skip decision (at most one per optimizer step)."""
+        self.models: list[weakref.ref[nn.Module]] = []
+        """The models of the wrap call (weak: only to explain misuse in error messages)."""
+
+    def sharded_by_fsdp_after_wrap(self) -> str | None:
+        """The FSDP wrapper found in a model wrapped by ``distamp.wrap``, if one was applied later."""
+        from .casting import data_parallel_wrapper_name
+
+        for ref in self.models:
+            model = ref()
+            name = data_parallel_wrapper_name(model) if model is not None else None
+            if name is not None and ("FSDP" in name or name.startswith("FullySharded")):
+                return name
+        return None
 
     @property
     def attribute_per_backward(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ def wrap(
             own = {id(p): n for n, p in model.named_parameters()}
             model.register_load_state_dict_pre_hook(functools.partial(_load_masters, masters, own))
     scalers = ScalerGroup(props, group, names)
+    scalers.models = [weakref.ref(m) for m in model_list]
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
     return _same_shape(model_list, models_listed, opt_list, opts_listed, optimizers is None)
@@ -180,6 +182,13 @@ def _check_models(models: list[nn.Module]) -> dict[int, str]:
         if casting.is_wrapped(model):
             raise ValueError(f"{where} was already wrapped by distamp.wrap; wrap each model once")
         wrapper = casting.data_parallel_wrapper_name(model)
+        if wrapper is not None and ("FSDP" in wrapper or wrapper.startswith("FullySharded")):
+            raise ValueError(
+                f"{where}: distamp.wrap must come before FSDP, but found {wrapper}; with FSDP use "
+                "`model, optimizer = distamp.fsdp.fully_shard(model, optimizer, opt_level=...)` "
+                "on the plain FP32 model (it applies FSDP with the opt_level's mixed-precision "
+                "policy and keeps FSDP's FP32 shards as the masters)"
+            )
         if wrapper is not None:
             raise ValueError(
                 f"{where}: distamp.wrap must be called before DistributedDataParallel/"

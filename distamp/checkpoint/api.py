@@ -31,6 +31,7 @@ from .state import (
     flat_starts,
     flat_state,
     hyperparameters,
+    is_dtensor,
     kept_state,
     model_entry,
     optimizer_views,
@@ -185,10 +186,11 @@ def _collect(target: _Target, extra: Any) -> tuple[dict[str, Any], dict[str, Any
     for i, model in enumerate(target.models):
         entry = model_entry(i, model, len(target.models))
         models.append(entry)
-        if rank == 0:
-            # Rank 0's copy only: buffers (BatchNorm statistics) may differ between ranks, and
-            # DDP takes rank 0's (broadcast_buffers); DCP would write an arbitrary rank's.
-            for key, value in model.state_dict().items():
+        for key, value in model.state_dict().items():
+            # A plain tensor: rank 0's copy only (buffers such as BatchNorm statistics may differ
+            # between ranks, DDP takes rank 0's, DCP's dedup would write an arbitrary rank's).
+            # A DTensor (an FSDP-sharded parameter): every rank writes its shard.
+            if rank == 0 or is_dtensor(value):
                 sd[f"model.{i}.{key}"] = value.detach()
     optimizers = []
     for view in target.views:
@@ -439,9 +441,14 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
     """Fresh buffers for everything this rank reads, and the function that installs them."""
     rank, world = target.rank, target.world
     dest: dict[str, Any] = {}
-    for i, entry in enumerate(manifest["models"]):
+    for i, (entry, model) in enumerate(zip(manifest["models"], target.models, strict=True)):
+        live = model.state_dict()
         for key, (shape, dtype) in entry["keys"].items():
-            dest[f"model.{i}.{key}"] = torch.empty(shape, dtype=_dtype(dtype))
+            dest[f"model.{i}.{key}"] = (
+                torch.empty_like(live[key], dtype=_dtype(dtype))
+                if is_dtensor(live[key])
+                else torch.empty(shape, dtype=_dtype(dtype))
+            )
     local_bufs: dict[str, torch.Tensor] = {}
     for entry, view in zip(manifest["optimizers"], target.views, strict=True):
         o = view.index
@@ -467,8 +474,10 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                         dest[name] = buf
             for name, tensor in gv.kept:
                 for key, dtype in entry["kept"][name]["tensor_keys"].items():
-                    dest[f"optim.{o}.p.{name}.{key}"] = torch.empty(
-                        tensor.shape, dtype=_dtype(dtype), device=tensor.device
+                    dest[f"optim.{o}.p.{name}.{key}"] = (
+                        torch.empty_like(tensor, dtype=_dtype(dtype))
+                        if is_dtensor(tensor)
+                        else torch.empty(tensor.shape, dtype=_dtype(dtype), device=tensor.device)
                     )
 
     def install(loaded: dict[str, Any]) -> None:

@@ -347,6 +347,13 @@ def to_dtensor(local: torch.Tensor, total: int, group: dist.ProcessGroup) -> tor
     )
 
 
+def is_dtensor(value: Any) -> bool:
+    """True for a DTensor (FSDP2's sharded parameters and their optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
 def chunk_slices(shard_size: int) -> list[tuple[int, int]]:
     """The [a, b) slices of a shard that the inner optimizer steps (see distamp.shard CHUNK)."""
     return [(a, min(a + CHUNK, shard_size)) for a in range(0, shard_size, CHUNK)]

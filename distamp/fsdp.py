@@ -1,0 +1,387 @@
+"""FSDP: the opt_level as FSDP's own mixed-precision policy, plus what FSDP lacks.
+
+[Note: FSDP keeps the masters] FSDP already holds each rank's shard of the parameters in FP32 and
+casts them to ``param_dtype`` for forward/backward; its sharded FP32 parameters *are* the master
+weights, so distamp adds no second copy. :func:`fully_shard` turns the opt_level into FSDP's policy
+(``MixedPrecisionPolicy`` for FSDP2, ``MixedPrecision`` for FSDP1) and adds what FSDP does not
+have: the loss scaler whose skip decision is one MAX all-reduce of the local found-inf flags on
+every code path (fused optimizers included, where torch's ShardedGradScaler skips the sync),
+apex's opt_level semantics, ``stats``, clipping on the global norm, and the checkpoint functions.
+
+[Note: FSDP units for FP32 norm layers] FSDP casts all parameters of one unit to one dtype, so
+under O2 (``keep_batchnorm_fp32``) every normalization layer becomes its own FSDP unit with FP32
+parameters (FSDP1 does the same for BatchNorm through ``_module_classes_to_ignore``). Its class
+gets distamp's FP32-norm forward: inputs cast up, outputs cast back to the incoming dtype, so the
+half layers around it see half tensors. The cost is one small all-gather per norm layer.
+
+Order: build the FP32 model and its optimizer, then ``model, optimizer = distamp.fsdp.
+fully_shard(model, optimizer, opt_level=...)``. The optimizer's ``param_groups`` are re-pointed at
+FSDP's sharded parameters, so it keeps its identity (an LR scheduler built on it keeps working).
+A model that FSDP wrapped already, or that ``distamp.wrap`` cast already, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import casting
+from .casting import NORM_TYPES, FP32NormModule
+from .collectives import all_reduce_, check_same_on_all_ranks
+from .config import HALF_DTYPES, Properties, resolve_properties
+from .optim import AmpOptimizer, AmpOptimizerState, ModelGrads, _check_and_unscale
+from .scaler import ScalerGroup
+
+BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class FSDPParams(ModelGrads):
+    """FSDP's sharded parameters as their own masters (the MasterWeights interface of optim.py)."""
+
+    sharded = True
+
+    def __init__(
+        self, params: list[nn.Parameter], process_group: dist.ProcessGroup | None, props: Properties
+    ) -> None:
+        self.model_params = params
+        self.process_group = process_group
+        self.props = props
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self.model_params if p.grad is not None]
+
+    def model_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model_params]
+
+    def after_cast(self) -> None:
+        """FSDP casts for the forward itself."""
+
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        return _check_and_unscale(self._local_grads(), inv_scale, self._device())
+
+    def check(self) -> torch.Tensor:
+        return _check_and_unscale(self._local_grads(), 1.0, self._device())
+
+    def step_grads(self) -> list[torch.Tensor]:
+        return self._local_grads()
+
+    def rescale_grads_(self, factor: float) -> None:
+        grads = self._local_grads()
+        if grads and factor != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Collective: the norm over every rank's shard of every gradient (FP32 accumulation)."""
+        grads = self._local_grads()
+        inf_norm = math.isinf(norm_type)
+        local = torch.zeros(1, dtype=torch.float32, device=self._device())
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            part = norms.max() if inf_norm else norms.pow(norm_type).sum()
+            local += part.reshape(1).to(local.device)
+        all_reduce_(local, dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, self.process_group)
+        total = local[0] if inf_norm else local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return total
+
+    def copy_to_model(self) -> None:
+        """The optimizer stepped FSDP's own parameters: nothing to copy."""
+
+    def release_master_grads(self) -> None:
+        """The gradients are FSDP's; zero_grad releases them."""
+
+    def master_bytes(self) -> int:
+        """FP32 shards held here when they stand in for master weights (O2), else 0."""
+        if not self.props.master_weights:
+            return 0
+        return sum(_local(p).numel() * _local(p).element_size() for p in self.model_params)
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
+    ) -> None:
+        """Weights load straight into FSDP's FP32 shards."""
+
+
+def policy_kwargs(props: Properties, root: bool) -> dict[str, Any]:
+    """The FSDP mixed-precision settings of an opt_level (``MixedPrecisionPolicy`` arguments).
+
+    O2/O3: parameters gathered and gradients reduce-scattered in the half dtype (like DDP's O2
+    hook), inputs cast to it; the root's outputs come back FP32 (or ``cast_model_outputs``).
+    O0/O1: FP32 parameters and reductions; O1 runs the forward under autocast (distamp's
+    class-level forward), as with DDP.
+    """
+    if props.cast_model_type in HALF_DTYPES:
+        out: dict[str, Any] = {
+            "param_dtype": props.cast_model_type,
+            "reduce_dtype": props.cast_model_type,
+            "cast_forward_inputs": True,
+        }
+        if root:
+            out["output_dtype"] = props.cast_model_outputs or torch.float32
+        return out
+    return {"param_dtype": None, "reduce_dtype": None, "cast_forward_inputs": True}
+
+
+def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
+    """The modules that become FSDP units, innermost first (the root is added by the caller)."""
+    if blocks is None:
+        found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    elif callable(blocks) and not isinstance(blocks, (list, tuple)):
+        found = [m for m in model.modules() if m is not model and blocks(m)]
+    else:
+        classes = tuple(blocks)
+        found = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    return found
+
+
+def fully_shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    opt_level: str = "O2",
+    half_dtype: Any = "auto",
+    blocks: BlockSpec = None,
+    api: str = "fsdp2",
+    mesh: Any = None,
+    reshard_after_forward: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    **overrides: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard an FP32 ``model`` with FSDP at ``opt_level`` and make ``optimizer`` distamp's.
+
+    ``blocks``: the submodules that become FSDP units (module classes, a predicate, or None for
+    every element of every ``nn.ModuleList``, e.g. transformer layers); the root always is one.
+    ``api``: "fsdp2" (``torch.distributed.fsdp.fully_shard``) or "fsdp1"
+    (``FullyShardedDataParallel`` with ``use_orig_params=True``; it returns the wrapper, use the
+    returned model). ``overrides``: the property overrides of :func:`distamp.wrap`
+    (``loss_scale``, ``keep_batchnorm_fp32``, ``min_loss_scale``, ...). Collective over the
+    process group (default: the world).
+    """
+    if api not in ("fsdp2", "fsdp1"):
+        raise ValueError(f"api: expected 'fsdp2' or 'fsdp1', got {api!r}")
+    if api == "fsdp1" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "distamp.fsdp.fully_shard(api='fsdp1'): FullyShardedDataParallel needs a GPU "
+            "(torch refuses CPU-only FSDP1); expected CUDA devices, found none: use "
+            "api='fsdp2' (torch.distributed.fsdp.fully_shard), which runs on CPU/gloo too"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    wrapper = casting.data_parallel_wrapper_name(model)
+    if wrapper is not None:
+        raise ValueError(
+            f"distamp.fsdp.fully_shard: the model is sharded or wrapped already ({wrapper}); "
+            "expected the plain FP32 model: call distamp.fsdp.fully_shard(model, optimizer, "
+            "opt_level=...) instead of torch's fully_shard/FSDP (it applies them with the "
+            "opt_level's mixed-precision policy)"
+        )
+    if casting.is_wrapped(model) or isinstance(optimizer, AmpOptimizer):
+        raise ValueError(
+            "distamp.fsdp.fully_shard: the model or optimizer went through distamp.wrap "
+            "already; with FSDP call distamp.fsdp.fully_shard on the FP32 model instead of wrap"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "distamp.fsdp.fully_shard: expected an initialized process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
+    group = process_group or dist.group.WORLD
+    assert group is not None
+    world = dist.get_world_size(group)
+    device_type = casting.device_type_of(model)
+    props = resolve_properties(
+        opt_level,
+        device_type=device_type,
+        half_dtype=half_dtype,
+        world_size=world,
+        shard_master_weights=False,
+        **overrides,
+    )
+    props = dataclasses.replace(props, shard_master_weights=world > 1)
+    from .wrap import _check_models, _check_optimizers, _fingerprint
+
+    names = _check_models([model])
+    _check_optimizers([optimizer], names)
+    check_same_on_all_ranks(
+        "distamp.fsdp.fully_shard", _fingerprint(props, [model], [optimizer]), group
+    )
+    old_names = {id(p): n for n, p in model.named_parameters()}
+
+    _set_forward_classes(model, props, device_type)
+    if api == "fsdp2":
+        _apply_fsdp2(model, props, blocks, mesh, group, device_type, reshard_after_forward)
+    else:
+        model = _apply_fsdp1(model, props, blocks, group)
+    new_params = dict(model.named_parameters())
+    new_params = {_strip_fsdp1(n): p for n, p in new_params.items()}
+    _repoint_optimizer(optimizer, old_names, new_params)
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = FSDPParams(params, group, props)
+    scalers = ScalerGroup(props, group, {id(p): n for n, p in new_params.items()})
+    from .wrap import _make_amp_optimizer
+
+    _make_amp_optimizer(optimizer, AmpOptimizerState(scalers, 0, masters))
+    return model, optimizer
+
+
+def _strip_fsdp1(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _set_forward_classes(model: nn.Module, props: Properties, device_type: str) -> None:
+    """Class-level forwards: autocast (O1), FP32 norm layers (O2); FSDP does the casts."""
+    if props.cast_model_type in HALF_DTYPES and props.keep_batchnorm_fp32:
+        made: dict[type, type] = {}
+        for module in model.modules():
+            if isinstance(module, NORM_TYPES):
+                cls = type(module)
+                if cls not in made:
+                    made[cls] = casting._subclass(cls, FP32NormModule, {})
+                module.__class__ = made[cls]
+    if props.patch_torch_functions:
+        policy = casting.CastPolicy(
+            device_type=device_type,
+            autocast_dtype=props.half_dtype,
+            input_dtype=None,
+            output_dtype=props.cast_model_outputs,
+        )
+        model.__class__ = casting._subclass(
+            type(model),
+            casting.AmpModule,
+            {"_distamp_policy": policy, "_distamp_properties": props},
+        )
+
+
+def _norm_units(model: nn.Module, props: Properties) -> list[nn.Module]:
+    if props.cast_model_type in HALF_DTYPES and props.keep_batchnorm_fp32:
+        return [
+            m
+            for m in model.modules()
+            if isinstance(m, NORM_TYPES) and any(True for _ in m.parameters(recurse=False))
+        ]
+    return []
+
+
+def _apply_fsdp2(
+    model: nn.Module,
+    props: Properties,
+    blocks: BlockSpec,
+    mesh: Any,
+    group: dist.ProcessGroup,
+    device_type: str,
+    reshard_after_forward: bool,
+) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, device_type)
+    # No input cast for norm units: their class-level forward casts up and back down itself.
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    for norm in _norm_units(model, props):
+        torch_fully_shard(
+            norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward
+        )
+    inner = MixedPrecisionPolicy(**policy_kwargs(props, root=False))
+    for block in _blocks(model, blocks):
+        torch_fully_shard(
+            block, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard_after_forward
+        )
+    torch_fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(**policy_kwargs(props, root=True)),
+        reshard_after_forward=reshard_after_forward,
+    )
+
+
+def _apply_fsdp1(
+    model: nn.Module, props: Properties, blocks: BlockSpec, group: dist.ProcessGroup
+) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    chosen = {id(m) for m in _blocks(model, blocks)}
+    mp = None
+    if props.cast_model_type in HALF_DTYPES:
+        half = props.cast_model_type
+        mp = MixedPrecision(
+            param_dtype=half,
+            reduce_dtype=half,
+            buffer_dtype=None,
+            cast_forward_inputs=True,
+            _module_classes_to_ignore=NORM_TYPES if props.keep_batchnorm_fp32 else (),
+        )
+    wrapped = FullyShardedDataParallel(
+        model,
+        process_group=group,
+        auto_wrap_policy=lambda m: lambda_auto_wrap_policy(
+            m, recurse=True, nonwrapped_numel=0, lambda_fn=lambda x: id(x) in chosen
+        ),
+        mixed_precision=mp,
+        use_orig_params=True,
+        device_id=torch.cuda.current_device(),
+    )
+    return wrapped
+
+
+def _repoint_optimizer(
+    optimizer: torch.optim.Optimizer,
+    old_names: dict[int, str],
+    new_params: dict[str, nn.Parameter],
+) -> None:
+    """Point ``param_groups`` at the sharded parameters FSDP created; shard existing state."""
+    for group in optimizer.param_groups:
+        replaced = []
+        for param in group["params"]:
+            new = new_params[old_names[id(param)]]
+            state = optimizer.state.pop(param, None)
+            if state:
+                optimizer.state[new] = {
+                    k: _shard_like(v, new)
+                    if isinstance(v, torch.Tensor) and v.shape == param.shape
+                    else v
+                    for k, v in state.items()
+                }
+            replaced.append(new)
+        group["params"] = replaced
+
+
+def _shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (a full tensor, equal on every rank) laid out like the sharded ``param``."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:  # FSDP1: orig params are flat views of this rank's shard
+        raise ValueError(
+            "distamp.fsdp.fully_shard(api='fsdp1'): the optimizer has state already; expected "
+            "an optimizer without state (create it before its first step)"
+        )
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.detach(), mesh, param.placements)  # type: ignore[attr-defined]

@@ -286,6 +286,19 @@ def _norm_units(model: nn.Module, props: Properties) -> list[nn.Module]:
     return []
 
 
+def _group_by_owner(norms: list[nn.Module], blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """The norm layers grouped by the innermost block holding them (the rest: one group), so
+    each block gathers its FP32 norm parameters in one collective rather than one per layer."""
+    groups: dict[int, list[nn.Module]] = {}
+    for norm in norms:
+        owner = -1
+        for i, block in enumerate(blocks):
+            if any(m is norm for m in block.modules()):
+                owner = i  # blocks come outermost first: the last match is the innermost
+        groups.setdefault(owner, []).append(norm)
+    return list(groups.values())
+
+
 def _apply_fsdp2(
     model: nn.Module,
     props: Properties,
@@ -305,12 +318,13 @@ def _apply_fsdp2(
     fp32 = MixedPrecisionPolicy(
         param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    for norm in _norm_units(model, props):
+    block_list = _blocks(model, blocks)
+    for group_of_norms in _group_by_owner(_norm_units(model, props), block_list):
         torch_fully_shard(
-            norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward
+            group_of_norms, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward
         )
     inner = MixedPrecisionPolicy(**policy_kwargs(props, root=False))
-    for block in _blocks(model, blocks):
+    for block in block_list:
         torch_fully_shard(
             block, mesh=mesh, mp_policy=inner, reshard_after_forward=reshard_after_forward
         )

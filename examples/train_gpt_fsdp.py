@@ -1,0 +1,127 @@
+"""Train the example GPT with FSDP2 and distamp: the opt_level becomes FSDP's mixed precision.
+
+The model, data and schedule are train_gpt.py's; what differs is one call. Instead of
+``distamp.wrap`` + DDP, ``distamp.fsdp.fully_shard(model, optimizer, opt_level=...)`` shards each
+transformer block (and every LayerNorm, kept FP32 under O2) with ``torch.distributed.fsdp.
+fully_shard`` and the opt_level's ``MixedPrecisionPolicy``; FSDP's sharded FP32 parameters are the
+master weights, distamp adds the globally synchronized loss scaler, clipping on the global norm
+and sharded checkpoints (which load at another world size).
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt_fsdp.py --size tiny --steps 20
+    bash launch/run_fsdp.sh                          # the same, installing first
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from train_gpt import (
+    GPT,
+    SIZES,
+    GPTConfig,
+    RandomWindows,
+    load_stdlib_bytes,
+    lr_lambda,
+    pick_opt_level,
+    setup_distributed,
+)
+
+import distamp
+import distamp.fsdp
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--opt-level", choices=["auto", "O0", "O1", "O2", "O3"], default="auto")
+    parser.add_argument("--half-dtype", choices=["auto", "bf16", "fp16"], default="auto")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data-mb", type=float, default=4.0)
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="save a checkpoint at the end")
+    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to start from")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device, backend = setup_distributed()
+    if backend is None:
+        raise SystemExit("run under torchrun: FSDP needs a process group")
+    torch.set_num_threads(args.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype)
+    half = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16}[args.half_dtype]
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=args.seq_len, **SIZES[args.size])
+    model = GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    model, optimizer = distamp.fsdp.fully_shard(  # distamp: FSDP2 with the opt_level's policy
+        model, optimizer, opt_level=opt_level, half_dtype=half
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
+    first = 1
+    if args.resume is not None:
+        extra = distamp.load_checkpoint(args.resume, model, optimizer)  # any world size
+        scheduler.load_state_dict(extra["scheduler"])
+        first = int(extra["step"]) + 1
+    data = RandomWindows(load_stdlib_bytes(int(args.data_mb * 2**20)), args.seq_len, seed=rank)
+    if rank == 0:
+        print(
+            f"GPT {args.size} under FSDP2: {n_params / 1e6:.2f}M params | world size {world} | "
+            f"opt_level {opt_level}{why} | {distamp.stats(optimizer).master_bytes / 1e6:.2f} MB "
+            "of FP32 shards per rank",
+            flush=True,
+        )
+    times = []
+    loss = torch.zeros(())
+    for step in range(first, args.steps + 1):
+        start = time.perf_counter()
+        x, y = data.batch(args.batch_size, device, step)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, optimizer) as scaled:  # distamp
+            scaled.backward()
+        if args.clip > 0:
+            distamp.clip_grad_norm_(optimizer, args.clip)  # the global norm over all shards
+        optimizer.step()  # skipped on every rank together if any shard held inf/NaN
+        optimizer.zero_grad()
+        scheduler.step()
+        times.append(time.perf_counter() - start)
+        if step % args.log_every == 0 or step == args.steps:
+            dist.all_reduce(loss := loss.detach().clone(), op=dist.ReduceOp.AVG)
+            st = distamp.stats(optimizer)
+            if rank == 0:
+                print(
+                    f"step {step:4d} | loss {loss.item():.4f} | scale {st.loss_scales[0]:g} | "
+                    f"skipped {st.skipped_steps} | {times[-1] * 1e3:.1f} ms",
+                    flush=True,
+                )
+    if args.ckpt_dir is not None:
+        path = args.ckpt_dir / f"step_{args.steps:06d}"
+        distamp.save_checkpoint(
+            path, model, optimizer, extra={"step": args.steps, "scheduler": scheduler.state_dict()}
+        )
+        if rank == 0:
+            print(f"saved {path}", flush=True)
+    if rank == 0 and times:
+        print(
+            f"done: final loss {loss.item():.4f} | median step {statistics.median(times) * 1e3:.1f} ms"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

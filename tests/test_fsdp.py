@@ -251,3 +251,30 @@ def test_wrong_order_is_refused_clearly():
     assert "distamp.fsdp.fully_shard" in messages["fsdp then wrap"]
     assert "sharded with FSDP after distamp.wrap" in messages["wrap then fsdp"]
     assert "needs a GPU" in messages["fsdp1 on cpu"]
+
+
+# -- the example ------------------------------------------------------------------------------------
+
+
+def test_fsdp_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_fsdp.py"
+    common = ["--size", "tiny", "--seq-len", "32", "--batch-size", "2", "--data-mb", "0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def torchrun(nproc, *args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={nproc}", str(script), *common, *args]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        return run.stdout
+
+    out = torchrun(2, "--steps", "3", "--opt-level", "O2", "--ckpt-dir", str(tmp_path))
+    assert "under FSDP2" in out and "opt_level O2" in out and "saved" in out
+    ckpt = tmp_path / "step_000003"
+    out = torchrun(3, "--steps", "5", "--opt-level", "O2", "--resume", str(ckpt))
+    assert "world size 3" in out and "step    5" in out and "done: final loss" in out

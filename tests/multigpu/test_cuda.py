@@ -32,7 +32,12 @@ def _train(model, opt, batches, device, rank=0, world=1, inject=None):
         with distamp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         if inject is not None and step == inject[0] and rank == inject[1]:
-            params[0].grad.view(-1)[0] = float("inf")
+            # The first gradient this rank holds a piece of (FSDP: its local shard).
+            for p in params:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if g is not None and g.numel() > 0:
+                    g.view(-1)[0] = float("inf")
+                    break
         opt.step()
         opt.zero_grad()
 
@@ -112,3 +117,33 @@ def test_hooks_on_nccl_are_overflow_safe():
         assert torch.isfinite(grad).all()
         assert abs(grad[0].item() - 5e4) / 5e4 < 1e-3
         assert grad[1].item() > 0
+
+
+def _fsdp_worker(rank, world, init_file, api, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import distamp.fsdp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.fsdp.fully_shard(
+        model, opt, opt_level="O2", api=api, blocks=[torch.nn.Linear], verbosity=0
+    )
+    _train(model, opt, data(20, 8), f"cuda:{rank}", rank, world, inject=(5, world - 1))
+    stats = distamp.stats(opt)
+    torch.save({"skipped": stats.skipped_steps, "scale": stats.loss_scales[0]}, f"{out}{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1"])
+def test_fsdp_on_nccl_skips_together(api):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r")
+        mp.spawn(_fsdp_worker, args=(2, os.path.join(tmp, "init"), api, out), nprocs=2)
+        results = [torch.load(f"{out}{r}.pt") for r in range(2)]
+    assert results[0] == results[1]
+    assert results[0]["skipped"] >= 1  # the injected inf, on one rank only

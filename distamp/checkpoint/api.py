@@ -417,6 +417,15 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
             theirs_flat = (
                 None if saved_flat is None else (saved_flat["names"], saved_flat["shapes"])
             )
+            if (mine_flat is None) != (theirs_flat is None) and view.st is not None:
+                fsdp_here = type(view.st.masters).__name__ == "FSDPParams"
+                raise CheckpointError(
+                    f"optimizers[{o}]: the checkpoint was saved "
+                    f"{'with distamp masters (DDP)' if fsdp_here else 'from an FSDP model'} and "
+                    f"this run {'shards with FSDP' if fsdp_here else 'uses distamp masters (DDP)'}"
+                    "; expected the same data-parallel kind on both sides (or use `python -m "
+                    "distamp.checkpoint consolidate` to get plain FP32 weights)"
+                )
             if mine_flat != theirs_flat or saved_group["kept"] != [n for n, _ in gv.kept]:
                 raise CheckpointError(
                     f"optimizers[{o}].param_groups[{g}] holds other parameters than in the "

@@ -6,7 +6,7 @@ with distamp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()                                                    # skipped on every rank together
 """
 
-from . import checkpoint, hooks
+from . import checkpoint, debug, hooks
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
@@ -24,6 +24,7 @@ __all__ = [
     "Properties",
     "__version__",
     "checkpoint",
+    "debug",
     "clip_grad_norm_",
     "hooks",
     "latest_checkpoint",

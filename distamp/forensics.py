@@ -21,9 +21,17 @@ class NonFiniteReport:
     """Lowest rank of the process group on which that gradient was non-finite."""
     kind: str
     """"nan" if the gradient held a NaN, else "inf"."""
+    loss_id: int | None = None
+    """Set when the *loss itself* was non-finite (then ``param`` names the loss): not an overflow
+    of the scaled gradients, so a smaller loss scale does not fix it."""
 
     def __str__(self) -> str:
         article = "an inf" if self.kind == "inf" else "a NaN"
+        if self.loss_id is not None:
+            return (
+                f"the loss itself (loss_id {self.loss_id}) was {article} on rank {self.rank} — "
+                "not a gradient overflow: a smaller loss scale does not fix it"
+            )
         return f"parameter {self.param!r} had {article} gradient on rank {self.rank}"
 
 
@@ -66,3 +74,31 @@ def locate_nonfinite(
         rank=first_rank,
         kind="nan" if int(table[first_rank, 1]) == 2 else "inf",
     )
+
+
+def locate_nonfinite_loss(
+    flags: Sequence[tuple[int, torch.Tensor]], group: dist.ProcessGroup | None
+) -> NonFiniteReport | None:
+    """Collective over ``group``: was a loss itself non-finite on some rank (lowest rank wins)?
+
+    ``flags``: (loss_id, 0-d tensor 0 finite / 1 inf / 2 NaN) for the overflowed blocks of this
+    step, the same list on every rank. Called only on skipped steps.
+    """
+    rank, world = 0, 1
+    if group is not None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    table = torch.zeros(world, max(1, len(flags)), dtype=torch.int64)
+    for j, (_, flag) in enumerate(flags):
+        table[rank, j] = int(flag.item())
+    all_reduce_(table, dist.ReduceOp.SUM, group)
+    for r in range(world):
+        for j, (loss_id, _) in enumerate(flags):
+            kind = int(table[r, j])
+            if kind:
+                return NonFiniteReport(
+                    param=f"loss {loss_id}",
+                    rank=r,
+                    kind="nan" if kind == 2 else "inf",
+                    loss_id=loss_id,
+                )
+    return None

@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .forensics import NonFiniteGradientError, NonFiniteReport, locate_nonfinite
+from .forensics import (
+    NonFiniteGradientError,
+    NonFiniteReport,
+    locate_nonfinite,
+    locate_nonfinite_loss,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -158,6 +163,8 @@ class Backward:
     """Local 0/1: gradients became non-finite during this backward (when attribution is on)."""
     overflow: bool | None = None
     """The global decision, once taken at the first step of one of ``users``."""
+    loss_kind: torch.Tensor | None = None
+    """0-d int: 0 the loss was finite, 1 inf, 2 NaN (read only on skipped steps: no host sync)."""
 
 
 class ScalerGroup:
@@ -238,11 +245,22 @@ class ScalerGroup:
                 st.grad_scale = scale
         return scale
 
-    def finish_backward(self, loss_id: int, states: list[AmpOptimizerState], scale: float) -> None:
+    def finish_backward(
+        self,
+        loss_id: int,
+        states: list[AmpOptimizerState],
+        scale: float,
+        loss: torch.Tensor | None = None,
+    ) -> None:
         """Record the ``scale_loss`` block that just ran its backward at ``scale``."""
         from .optim import OptState
 
         block = Backward(loss_id, list(states))
+        if loss is not None:
+            value = loss.detach()
+            block.loss_kind = torch.where(
+                torch.isnan(value).any(), 2, torch.where(torch.isinf(value).any(), 1, 0)
+            )
         attribute = self.attribute_per_backward
         for st in states:
             st.grad_scale = scale
@@ -335,14 +353,28 @@ class ScalerGroup:
         involved: list[AmpOptimizerState] = [st]
         for block in overflowed:
             involved += [u for u in block.users if u not in involved]
-        named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
-        report = locate_nonfinite(named, self.process_group)
+        losses = [
+            (
+                b.loss_id,
+                b.loss_kind if b.loss_kind is not None else torch.zeros((), dtype=torch.int64),
+            )
+            for b in overflowed
+        ]
+        report = locate_nonfinite_loss(losses, self.process_group) if losses else None
+        if report is None:
+            named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
+            report = locate_nonfinite(named, self.process_group)
         self.last_nonfinite = report
         st.last_nonfinite = report
         loss_ids = sorted({b.loss_id for b in overflowed})
         scales = ", ".join(f"{self.scalers[j].scale:g}" for j in loss_ids) or "unchanged"
         what = str(report) if report is not None else "non-finite gradients"
-        if self.props.verbosity >= 1 and self.rank == 0 and _rate_limited(self.total_skips):
+        loss_itself = report is not None and report.loss_id is not None
+        if (
+            self.props.verbosity >= 1
+            and self.rank == 0
+            and (loss_itself or _rate_limited(self.total_skips))
+        ):
             logger.warning(
                 "distamp: skipping optimizer step (%d skipped so far): %s; loss scale now %s",
                 self.total_skips,

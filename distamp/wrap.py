@@ -380,7 +380,7 @@ def scale_loss(
             )
     scale = group.prepare_backward(loss_id, states)
     yield loss.float() * scale
-    group.finish_backward(loss_id, states, scale)
+    group.finish_backward(loss_id, states, scale, loss)
 
 
 def unscale_(optimizer: torch.optim.Optimizer) -> None:

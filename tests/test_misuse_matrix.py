@@ -1,0 +1,424 @@
+"""The bad-input matrix: each misuse raises the documented exception, names the problem, and
+leaves the model and the optimizer exactly as they were (nothing lost)."""
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import distamp
+import distamp.fsdp
+from distamp.checkpoint import CheckpointError
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+def plain():
+    model = net()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def wrapped(**kwargs):
+    model, opt = plain()
+    kwargs.setdefault("opt_level", "O2")
+    model, opt = distamp.wrap(model, opt, verbosity=0, **kwargs)
+    return model, opt
+
+
+def stepped(**kwargs):
+    """Wrapped, after one real step (so there is optimizer state and a loss scale to lose)."""
+    model, opt = wrapped(**kwargs)
+    backward(model, opt)
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def backward(model, opt, loss_id=0):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with distamp.scale_loss(model(x).float().pow(2).mean(), opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return copy.copy(value)
+
+
+def snapshot(model, opt):
+    return {
+        "model class": type(model),
+        "model": _clone(model.state_dict()),
+        "dtypes": [p.dtype for p in model.parameters()],
+        "grads": [_clone(p.grad) for p in model.parameters()],
+        "optimizer class": type(opt),
+        "param ids": [[id(p) for p in g["params"]] for g in opt.param_groups],
+        "optimizer": _clone(opt.state_dict()),
+        "stats": _stats(opt),
+    }
+
+
+def _stats(opt):
+    try:
+        s = distamp.stats(opt)
+    except TypeError:
+        return None
+    return (s.steps, s.skipped_steps, s.loss_scales, s.master_bytes)
+
+
+def same(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _save(tmp, model, opt, **kwargs):
+    distamp.save_checkpoint(tmp / "ckpt", model, opt, **kwargs)
+    return str(tmp / "ckpt")
+
+
+def _other_shape_checkpoint(tmp):
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(4, 9), nn.LayerNorm(9), nn.Linear(9, 2))
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other, other_opt = distamp.wrap(other, other_opt, opt_level="O2", verbosity=0)
+    return _save(tmp, other, other_opt)
+
+
+def _O1_checkpoint(tmp):
+    model, opt = wrapped(opt_level="O1")
+    return _save(tmp, model, opt)
+
+
+def _half(model, opt):
+    return model.half(), opt
+
+
+class Unwrappable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(3, dtype=torch.int64))
+        self.index = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+
+
+# (name, make the objects, the misuse, exception, what the message must say)
+MATRIX = [
+    # -- wrap: wrong values and types
+    (
+        "opt_level '01'",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="01"),
+        ValueError,
+        r"did you mean 'O1'",
+    ),
+    (
+        "opt_level not a string",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level=2),
+        (TypeError, ValueError),
+        r"opt_level",
+    ),
+    (
+        "model not a Module",
+        plain,
+        lambda m, o, t: distamp.wrap("model", o),
+        TypeError,
+        r"models: expected a torch\.nn\.Module",
+    ),
+    (
+        "optimizer not an Optimizer",
+        plain,
+        lambda m, o, t: distamp.wrap(m, [o, "adam"]),
+        TypeError,
+        r"optimizers\[1\]: expected a Optimizer|optimizers\[1\]",
+    ),
+    (
+        "half parameters",
+        lambda: _half(*plain()),
+        lambda m, o, t: distamp.wrap(m, o),
+        ValueError,
+        r"parameter '0\.weight' has dtype torch\.float16, expected torch\.float32",
+    ),
+    (
+        "foreign parameter in the optimizer",
+        plain,
+        lambda m, o, t: distamp.wrap(m, torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=1)),
+        ValueError,
+        r"is not a parameter of the model",
+    ),
+    (
+        "model under DataParallel",
+        plain,
+        lambda m, o, t: distamp.wrap(nn.DataParallel(m), o),
+        ValueError,
+        r"must be called before DistributedDataParallel/DataParallel/FSDP",
+    ),
+    (
+        "negative loss scale",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, loss_scale=-1.0),
+        ValueError,
+        r"loss_scale",
+    ),
+    (
+        "non-finite static loss scale",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, loss_scale=float("inf")),
+        ValueError,
+        r"loss_scale",
+    ),
+    (
+        "loss scale string",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, loss_scale="dynamik"),
+        ValueError,
+        r"loss_scale",
+    ),
+    (
+        "min_loss_scale > max_loss_scale",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, min_loss_scale=2.0**20, max_loss_scale=2.0**10),
+        ValueError,
+        r"min_loss_scale",
+    ),
+    (
+        "num_losses 0",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, num_losses=0),
+        ValueError,
+        r"num_losses",
+    ),
+    (
+        "half_dtype float32",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, half_dtype=torch.float32),
+        ValueError,
+        r"half_dtype",
+    ),
+    (
+        "O1 + master_weights",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O1", master_weights=True),
+        ValueError,
+        r"O1.*master_weights|master_weights.*O1",
+    ),
+    (
+        "O1 + keep_batchnorm_fp32",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O1", keep_batchnorm_fp32=True),
+        ValueError,
+        r"keep_batchnorm_fp32",
+    ),
+    (
+        "O2 + patch_torch_functions",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2", patch_torch_functions=True),
+        ValueError,
+        r"patch_torch_functions",
+    ),
+    (
+        "O1 + half cast_model_type",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O1", cast_model_type=torch.bfloat16),
+        ValueError,
+        r"cast_model_type",
+    ),
+    (
+        "empty model",
+        plain,
+        lambda m, o, t: distamp.wrap(nn.Sequential(), o),
+        ValueError,
+        r"has no floating-point parameters",
+    ),
+    (
+        "no floating parameters",
+        plain,
+        lambda m, o, t: distamp.wrap(Unwrappable(), None),
+        ValueError,
+        r"has no floating-point parameters",
+    ),
+    # -- wrap twice, wrong order
+    (
+        "model wrapped twice",
+        wrapped,
+        lambda m, o, t: distamp.wrap(m, None),
+        ValueError,
+        r"already wrapped",
+    ),
+    (
+        "optimizer wrapped twice",
+        wrapped,
+        lambda m, o, t: distamp.wrap(net(), o),
+        ValueError,
+        r"already wrapped|not a parameter",
+    ),
+    # -- the step protocol
+    (
+        "step before any backward",
+        wrapped,
+        lambda m, o, t: o.step(),
+        RuntimeError,
+        r"no gradients were produced since the last step",
+    ),
+    ("step with a closure", stepped, lambda m, o, t: o.step(lambda: 0.0), ValueError, r"closures"),
+    (
+        "clip_grad_norm_ before backward",
+        stepped,
+        lambda m, o, t: distamp.clip_grad_norm_(o, 1.0),
+        RuntimeError,
+        r"no distamp\.scale_loss",
+    ),
+    (
+        "scale_loss with a loss that is not a tensor",
+        stepped,
+        lambda m, o, t: distamp.scale_loss(1.0, o).__enter__(),
+        TypeError,
+        r"expected the loss",
+    ),
+    (
+        "scale_loss with an unwrapped optimizer",
+        stepped,
+        lambda m, o, t: distamp.scale_loss(
+            torch.ones(()), torch.optim.SGD(net().parameters(), lr=1)
+        ).__enter__(),
+        TypeError,
+        r"was not returned by distamp\.wrap",
+    ),
+    (
+        "loss_id 2 with num_losses=2",
+        lambda: stepped(num_losses=2),
+        lambda m, o, t: distamp.scale_loss(torch.ones(()), o, loss_id=2).__enter__(),
+        ValueError,
+        r"loss_id must be in \[0, num_losses=2\), got 2",
+    ),
+    (
+        "stats of an unwrapped optimizer",
+        stepped,
+        lambda m, o, t: distamp.stats(torch.optim.SGD(net().parameters(), lr=1)),
+        TypeError,
+        r"was not returned by distamp\.wrap",
+    ),
+    (
+        "optimizer.load_state_dict without distamp's entry",
+        stepped,
+        lambda m, o, t: o.load_state_dict(torch.optim.SGD(net().parameters(), lr=1).state_dict()),
+        ValueError,
+        r"expected a state dict saved from a distamp-wrapped optimizer",
+    ),
+    (
+        "hooks.register on a model that is not DDP",
+        stepped,
+        lambda m, o, t: distamp.hooks.register(m, o),
+        (TypeError, ValueError),
+        r"DistributedDataParallel",
+    ),
+    # -- checkpoints
+    (
+        "load a checkpoint of a model of another shape",
+        stepped,
+        lambda m, o, t: distamp.load_checkpoint(_other_shape_checkpoint(t), m, o),
+        CheckpointError,
+        r"'0\.weight' has shape \(9, 4\) in the checkpoint, \(8, 4\) in this model",
+    ),
+    (
+        "load a checkpoint of another opt_level",
+        stepped,
+        lambda m, o, t: distamp.load_checkpoint(_O1_checkpoint(t), m, o),
+        CheckpointError,
+        r"saved with opt_level='O1', this run has opt_level='O2'",
+    ),
+    (
+        "load a directory that is not a checkpoint",
+        stepped,
+        lambda m, o, t: distamp.load_checkpoint(t, m, o),
+        CheckpointError,
+        r"found no COMMIT file",
+    ),
+    (
+        "save with extra that is not plain data",
+        stepped,
+        lambda m, o, t: distamp.save_checkpoint(t / "c", m, o, extra={"model": m}),
+        CheckpointError,
+        r"extra\['model'\]: expected plain data",
+    ),
+    (
+        "save with an unwrapped optimizer",
+        stepped,
+        lambda m, o, t: distamp.save_checkpoint(t / "c", m, torch.optim.SGD(m.parameters(), lr=1)),
+        CheckpointError,
+        r"was not returned by distamp\.wrap",
+    ),
+    # -- FSDP
+    (
+        "fsdp.fully_shard without a process group",
+        plain,
+        lambda m, o, t: distamp.fsdp.fully_shard(m, o),
+        RuntimeError,
+        r"initialized process group",
+    ),
+    (
+        "fsdp.fully_shard with an unknown api",
+        plain,
+        lambda m, o, t: distamp.fsdp.fully_shard(m, o, api="fsdp3"),
+        ValueError,
+        r"'fsdp2' or 'fsdp1'",
+    ),
+]
+
+
+def test_the_matrix_covers_at_least_25_misuses():
+    assert len(MATRIX) >= 25
+    assert len({name for name, *_ in MATRIX}) == len(MATRIX)
+
+
+@pytest.mark.parametrize("name,make,misuse,exc,pattern", MATRIX, ids=[m[0] for m in MATRIX])
+def test_misuse_raises_names_the_problem_and_loses_nothing(
+    tmp_path, name, make, misuse, exc, pattern
+):
+    model, opt = make()
+    before = snapshot(model, opt)
+    with pytest.raises(exc) as info:
+        misuse(model, opt, tmp_path)
+    assert re.search(pattern, str(info.value)), f"{name}: {info.value}"
+    same(snapshot(model, opt), before, name)
+
+
+def test_unscale_twice_is_refused_and_loses_nothing():
+    model, opt = stepped()
+    backward(model, opt)
+    distamp.unscale_(opt)
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        distamp.unscale_(opt)
+    same(snapshot(model, opt), before, "unscale_ twice")
+    opt.step()  # the pending step still goes through
+    assert distamp.stats(opt).steps == 2
+
+
+def test_scale_loss_after_unscale_is_refused_and_loses_nothing():
+    model, opt = stepped()
+    backward(model, opt)
+    distamp.unscale_(opt)
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) .* was already called"):
+        backward(model, opt)
+    same(snapshot(model, opt), before, "scale_loss after unscale_")

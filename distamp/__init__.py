@@ -6,10 +6,11 @@ with distamp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()                                                    # skipped on every rank together
 """
 
-from . import checkpoint, debug, hooks
+from . import amp, checkpoint, debug, hooks
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
+from .grad_scaler import GradScaler
 from .scaler import LossScaler
 from .wrap import AmpStats, clip_grad_norm_, scale_loss, stats, unscale_, wrap
 
@@ -18,11 +19,13 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpStats",
     "CheckpointError",
+    "GradScaler",
     "LossScaler",
     "NonFiniteGradientError",
     "NonFiniteReport",
     "Properties",
     "__version__",
+    "amp",
     "checkpoint",
     "debug",
     "clip_grad_norm_",

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("distamp")
 
 INIT_SCALE = 2.0**16
+FP32_MAX = torch.finfo(torch.float32).max
+"""Largest scale a loss may be multiplied by (the scaled loss is FP32)."""
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
@@ -113,8 +115,9 @@ class LossScaler:
         if self.clean_steps >= self.growth_interval:
             self.clean_steps = 0
             grown = min(self.scale * self.growth_factor, self.max_loss_scale)
-            # Growth never makes the scale non-finite, whatever max_loss_scale is.
-            if math.isfinite(grown):
+            # Growth never makes the scale non-finite, whatever max_loss_scale is: the scale
+            # multiplies an FP32 loss, so it stays a finite FP32 number (at most 2**127).
+            if grown <= FP32_MAX:
                 self.scale = grown
 
     def state_dict(self) -> dict[str, Any]:

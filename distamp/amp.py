@@ -1,0 +1,310 @@
+"""``from distamp import amp``: a drop-in for the deleted ``apex.amp`` module.
+
+A script that changes only ``from apex import amp`` to ``from distamp import amp`` runs
+unchanged: ``amp.initialize``, ``amp.scale_loss``, ``amp.state_dict``/``amp.load_state_dict``,
+``amp.master_params``, the ``half_function``/``float_function``/``promote_function`` decorators
+and ``register_*_function``. Everything runs on :func:`distamp.wrap`, so it is correct across DDP
+ranks (one skip decision for all) where apex was not.
+
+[Note: the apex registry] apex kept its loss scalers in a module-level ``_amp_state``, and
+``amp.state_dict()`` takes no argument. To keep that call shape, this module — and only this
+module; the rest of distamp has no module-level state — remembers the scalers of the most recent
+``amp.initialize`` in ``_REGISTRY``. Two ``initialize`` calls in one process replace each other's
+entry, as in apex; use :func:`distamp.wrap` and ``optimizer.state_dict()`` to hold several.
+
+Differences from apex that a script can notice: gradients are unscaled at ``optimizer.step()``
+(or when :func:`master_params` is read, which is where apex scripts clip), not at the end of the
+``scale_loss`` block; masters are replicated (``shard_master_weights=False``) as apex's were;
+``register_*_function`` refuses torch's own modules (distamp never patches torch) and says what to
+write instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .optim import AmpOptimizer, OptState
+from .scaler import ScalerGroup
+from .wrap import scale_loss as _scale_loss
+from .wrap import unscale_, wrap
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY: dict[str, ScalerGroup] = {}
+"""The scalers of the latest ``initialize`` (see [Note: the apex registry])."""
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    **distamp_options: Any,
+) -> Any:
+    """apex's ``amp.initialize``: same arguments, same return shapes; runs :func:`distamp.wrap`.
+
+    ``distamp_options`` are passed on (``half_dtype``, ``process_group``, ...); masters are
+    replicated unless ``shard_master_weights=True`` is given.
+    """
+    distamp_options.setdefault("shard_master_weights", False)
+    result = wrap(
+        models,
+        optimizers,
+        opt_level=opt_level,
+        enabled=enabled,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        **distamp_options,
+    )
+    _REGISTRY.clear()
+    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    for opt in opts:
+        if isinstance(opt, AmpOptimizer):
+            _REGISTRY["group"] = opt._distamp.group
+            break
+    return result
+
+
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Any:
+    """apex's ``amp.scale_loss`` (``model`` and ``delay_overflow_check`` are accepted and unused)."""
+    return _scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The FP32 tensors ``optimizer`` steps, with their *unscaled* gradients.
+
+    apex unscaled into the masters when ``scale_loss`` ended, and scripts clip here:
+    ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)``. distamp unscales
+    (and takes the global skip decision, a collective) when this is first read after a backward.
+    """
+    if isinstance(optimizer, AmpOptimizer) and optimizer._distamp.state is OptState.SCALED:
+        unscale_(optimizer)
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """apex's ``amp.state_dict()``: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}}``.
+
+    The FP32 masters are in ``optimizer.state_dict()`` (apex lost them); save both.
+    """
+    out = destination if destination is not None else {}
+    group = _REGISTRY.get("group")
+    if group is None:
+        return out
+    for i, scaler in enumerate(group.scalers):
+        out[f"loss_scaler{i}"] = {"loss_scale": scaler.scale, "unskipped": scaler.clean_steps}
+    return out
+
+
+def load_state_dict(state: dict[str, Any]) -> None:
+    """Restore :func:`state_dict`'s output into the scalers of the latest ``initialize``."""
+    group = _REGISTRY.get("group")
+    if group is None:
+        raise RuntimeError(
+            "amp.load_state_dict: expected amp.initialize(model, optimizer, ...) to be called "
+            "first (apex's order: initialize, then load the model, optimizer and amp state)"
+        )
+    if len(state) != len(group.scalers):
+        raise ValueError(
+            f"amp.load_state_dict: expected {len(group.scalers)} loss scaler(s) (num_losses), "
+            f"found {len(state)}: {sorted(state)}"
+        )
+    for i, scaler in enumerate(group.scalers):
+        key = f"loss_scaler{i}"
+        if key not in state:
+            raise ValueError(f"amp.load_state_dict: expected key {key!r}, found {sorted(state)}")
+        scale = float(state[key]["loss_scale"])
+        if not 0 < scale < float("inf"):
+            raise ValueError(f"amp.load_state_dict: {key}: expected a positive finite loss_scale")
+        scaler.scale = scale
+        scaler.clean_steps = int(state[key].get("unskipped", 0))
+
+
+# -- per-function precision -----------------------------------------------------------------------
+
+
+def _autocast_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The device type whose autocast is on, judged from the first tensor argument."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            device = value.device.type
+            return device if torch.is_autocast_enabled(device) else None
+    return None
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _widest(values: Any) -> torch.dtype | None:
+    widest: torch.dtype | None = None
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            inner = _widest(value)
+            candidates = [inner] if inner is not None else []
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            candidates = [value.dtype]
+        else:
+            candidates = []
+        for dtype in candidates:
+            if widest is None or torch.finfo(dtype).bits > torch.finfo(widest).bits:
+                widest = dtype
+    return widest
+
+
+def half_function(fn: F) -> F:
+    """Run ``fn`` in the autocast half dtype when autocast is on (O1): its floating inputs are cast
+    to it. Outside autocast ``fn`` runs unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = _autocast_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def float_function(fn: F) -> F:
+    """Run ``fn`` in FP32 even under autocast (O1): inputs cast up, autocast off inside."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = _autocast_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def promote_function(fn: F) -> F:
+    """Under autocast, cast ``fn``'s floating inputs to the widest floating dtype among them."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = _autocast_device(args, kwargs)
+        if device is None:
+            return fn(*args, **kwargs)
+        dtype = _widest((*args, *kwargs.values()))
+        if dtype is None:
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _register(module: Any, name: str, decorator: Callable[[F], F], what: str) -> None:
+    module_name = getattr(module, "__name__", type(module).__name__)
+    if module_name == "torch" or module_name.startswith("torch."):
+        raise ValueError(
+            f"amp.{what}({module_name}, {name!r}): distamp never patches torch itself; expected "
+            f"a module of your own. Call the wrapped function instead, e.g. "
+            f"`{name} = amp.{what.replace('register_', '')}({module_name}.{name})` and use "
+            f"`{name}(...)` where you called `{module_name}.{name}(...)`"
+        )
+    original = getattr(module, name, None)
+    if not callable(original):
+        raise AttributeError(
+            f"amp.{what}: expected {module_name}.{name} to be a function, found "
+            f"{type(original).__name__}"
+        )
+    setattr(module, name, decorator(original))
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Replace ``module.name`` (a function of *your* module) by ``half_function`` of it."""
+    _register(module, name, half_function, "register_half_function")
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Replace ``module.name`` (a function of *your* module) by ``float_function`` of it."""
+    _register(module, name, float_function, "register_float_function")
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Replace ``module.name`` (a function of *your* module) by ``promote_function`` of it."""
+    _register(module, name, promote_function, "register_promote_function")
+
+
+# -- what apex had that no longer makes sense ---------------------------------------------------------
+
+
+def init(*args: Any, **kwargs: Any) -> None:
+    """apex's old ``amp.init()`` (pre-``initialize`` API): refused with what to write instead."""
+    raise RuntimeError(
+        "amp.init() is the old apex API that apex itself replaced; write "
+        "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
+        "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`"
+    )
+
+
+class FP16_Optimizer:
+    """apex's ``FP16_Optimizer``: refused with what to write instead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "FP16_Optimizer is not supported: write `model, optimizer = amp.initialize(model, "
+            "optimizer, opt_level='O2')` (FP32 master weights inside the optimizer, dynamic loss "
+            "scale) and `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+            "scaled_loss.backward()`"
+        )
+
+
+__all__ = [
+    "FP16_Optimizer",
+    "float_function",
+    "half_function",
+    "init",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "scale_loss",
+    "state_dict",
+]

@@ -1,0 +1,216 @@
+"""``distamp.GradScaler``: torch.amp.GradScaler's API, with the found-inf synchronized across ranks.
+
+[Note: a GradScaler that agrees across ranks] torch's ``GradScaler`` decides to skip from the
+gradients this rank sees; a non-finite value that exists on one rank only (written after the
+all-reduce, or in a shard only that rank holds) makes that rank skip while the others step, and
+their weights and scales drift apart silently. It also refuses FP16 gradients, and passes the
+scale into fused optimizers so that their in-kernel unscale bypasses any synchronization. This
+class keeps the API (``scale``, ``unscale_``, ``step``, ``update``, ``get_scale``, ``state_dict``,
+``load_state_dict``, ``is_enabled``) and changes the three things: ``unscale_`` unscales every
+gradient itself (FP16 ones too) and reduces the found-inf flag with MAX over the process group —
+one all-reduce per optimizer per iteration, on every path, fused optimizers included (they then
+step on unscaled gradients); and the scale grows through :class:`distamp.LossScaler`, capped at
+``max_scale`` and never to inf.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_reduce_
+from .optim import _check_and_unscale
+from .scaler import LossScaler
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+class GradScaler:
+    """Drop-in for ``torch.amp.GradScaler`` whose skip decision is the same on every rank.
+
+    ``process_group``: the group the found-inf flag is reduced over (default: the world, when
+    torch.distributed is initialized; no collective otherwise). ``device`` is accepted for
+    torch's signature (``GradScaler("cuda")``); the flag lives wherever the gradients are.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        max_scale: float = 2.0**24,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
+            raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
+        self._device = device
+        self._enabled = bool(enabled)
+        self._scaler = LossScaler(
+            "dynamic",
+            init_scale=float(init_scale),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            max_loss_scale=max(max_scale, float(init_scale)),
+        )
+        self._group = process_group
+        self._per_optimizer: dict[int, tuple[_Stage, bool]] = {}
+
+    # -- the torch.amp.GradScaler API ---------------------------------------------------------------
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        return self._scaler.scale if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._scaler.growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._scaler.backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._scaler.growth_interval
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` (a tensor, or lists/tuples/dicts of them) multiplied by the scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._scaler.scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, dict):
+            return {k: self.scale(v) for k, v in outputs.items()}
+        raise TypeError(
+            f"GradScaler.scale: expected a tensor or a list/tuple/dict of tensors, got "
+            f"{type(outputs).__name__}"
+        )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale and decide, on every rank alike, whether
+        they are finite. Collective over the process group (one MAX all-reduce)."""
+        if not self._enabled:
+            return
+        stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
+        if stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "GradScaler.unscale_() has already been called on this optimizer since the last "
+                "update(); expected one unscale_ per optimizer per iteration"
+            )
+        if stage is _Stage.STEPPED:
+            raise RuntimeError("GradScaler.unscale_() is being called after step(); call update()")
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = _check_and_unscale(grads, 1.0 / self._scaler.scale, device)
+        group = self._process_group()
+        if group is not None:
+            all_reduce_(flag, dist.ReduceOp.MAX, group)
+        self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, bool(flag.item() > 0))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("GradScaler.step: closures are not supported (as in torch)")
+        stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
+        if stage is _Stage.STEPPED:
+            raise RuntimeError("GradScaler.step() has already been called since the last update()")
+        if stage is _Stage.READY:
+            self.unscale_(optimizer)
+        _, found_inf = self._per_optimizer[id(optimizer)]
+        result = None if found_inf else optimizer.step(*args, **kwargs)
+        self._per_optimizer[id(optimizer)] = (_Stage.STEPPED, found_inf)
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back off if any optimizer skipped this iteration, else count towards growth."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
+            if not (0 < value < float("inf")):
+                raise ValueError(
+                    f"GradScaler.update: new_scale must be positive finite, got {value}"
+                )
+            self._scaler.scale = value
+        elif not self._per_optimizer:
+            warnings.warn(
+                "GradScaler.update() without a step() since the last update(): nothing to do",
+                stacklevel=2,
+            )
+        else:
+            overflow = any(found for _, found in self._per_optimizer.values())
+            self._scaler.update(overflow)
+        self._per_optimizer = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp.GradScaler's keys: plain numbers (``torch.load(weights_only=True)``)."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self._scaler.scale,
+            "growth_factor": self._scaler.growth_factor,
+            "backoff_factor": self._scaler.backoff_factor,
+            "growth_interval": self._scaler.growth_interval,
+            "_growth_tracker": self._scaler.clean_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "GradScaler.load_state_dict: the state dict is empty: it was saved from a "
+                "disabled GradScaler"
+            )
+        missing = {"scale", "_growth_tracker"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"GradScaler.load_state_dict: expected torch.amp.GradScaler keys, missing "
+                f"{sorted(missing)}"
+            )
+        scale = state_dict["scale"]
+        scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+        if not (0 < scale < float("inf")):
+            raise ValueError(
+                f"GradScaler.load_state_dict: expected a positive finite scale, got {scale}"
+            )
+        self._scaler.scale = scale
+        tracker = state_dict["_growth_tracker"]
+        self._scaler.clean_steps = int(
+            tracker.item() if isinstance(tracker, torch.Tensor) else tracker
+        )
+        for key, attr in (
+            ("growth_factor", "growth_factor"),
+            ("backoff_factor", "backoff_factor"),
+            ("growth_interval", "growth_interval"),
+        ):
+            if key in state_dict:
+                setattr(self._scaler, attr, type(getattr(self._scaler, attr))(state_dict[key]))
+
+    def _process_group(self) -> dist.ProcessGroup | None:
+        if self._group is not None:
+            return self._group
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None

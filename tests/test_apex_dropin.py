@@ -1,0 +1,148 @@
+"""``from distamp import amp``: an apex.amp script runs with only the import changed, and matches
+the same training written on distamp.wrap."""
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import data, mlp
+from torch import nn
+
+import distamp
+from distamp import amp  # the one line an apex script changes
+
+STEPS = 12
+
+
+def apex_script(opt_level, steps=STEPS):
+    """Written from apex's documented API (initialize, scale_loss, master_params, state_dict)."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    for x, y in data(steps, 8):
+        loss = F.mse_loss(model(x).float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def distamp_script(opt_level, steps=STEPS):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0)
+    for x, y in data(steps, 8):
+        with distamp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        distamp.clip_grad_norm_(optimizer, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_apex_script_matches_distamp_wrap(opt_level):
+    a_model, a_opt = apex_script(opt_level)
+    b_model, b_opt = distamp_script(opt_level)
+    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for p, q in zip(amp.master_params(a_opt), amp.master_params(b_opt), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_amp_state_dict_checkpoint_round_trip_apex_style():
+    model, optimizer = apex_script("O2", steps=4)
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()},
+        buffer,
+    )
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 4}}
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    # apex's documented restore order: initialize, then load model, optimizer, amp.
+    model2 = mlp()
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
+    model2, optimizer2 = amp.initialize(model2, optimizer2, opt_level="O2", verbosity=0)
+    model2.load_state_dict(checkpoint["model"])
+    optimizer2.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    for p, q in zip(amp.master_params(optimizer), amp.master_params(optimizer2), strict=True):
+        assert torch.equal(p, q)  # the FP32 masters came back (apex lost them)
+    assert amp.state_dict() == checkpoint["amp"]
+
+
+def test_multiple_models_optimizers_losses_with_num_losses():
+    def run(api):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 6), nn.Linear(6, 2)
+        oa = torch.optim.SGD(a.parameters(), lr=0.1)
+        ob = torch.optim.SGD(b.parameters(), lr=0.1)
+        if api == "apex":
+            [a, b], [oa, ob] = amp.initialize(
+                [a, b], [oa, ob], opt_level="O1", num_losses=2, verbosity=0
+            )
+            scale = amp.scale_loss
+        else:
+            [a, b], [oa, ob] = distamp.wrap(
+                [a, b], [oa, ob], opt_level="O1", num_losses=2, verbosity=0
+            )
+            scale = distamp.scale_loss
+        for x, y in data(5, 8, d_in=4, d_out=2):
+            h = a(x)
+            with scale(h.float().pow(2).mean(), oa, loss_id=0) as s0:
+                s0.backward(retain_graph=True)
+            with scale(F.mse_loss(b(h).float(), y), [oa, ob], loss_id=1) as s1:
+                s1.backward()
+            oa.step()
+            ob.step()
+            oa.zero_grad()
+            ob.zero_grad()
+        return [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+
+    for p, q in zip(run("apex"), run("distamp"), strict=True):
+        assert torch.equal(p, q)
+    assert set(amp.state_dict()) == {"loss_scaler0", "loss_scaler1"}
+
+
+def gelu_sum(x, w):
+    return (x @ w).sum(-1)
+
+
+def test_function_decorators_under_o1():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, w = torch.randn(2, 4), torch.randn(4, 4)
+    half = amp.half_function(gelu_sum)
+    single = amp.float_function(gelu_sum)
+    promote = amp.promote_function(gelu_sum)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert half(x, w).dtype == torch.bfloat16
+        assert single(x.bfloat16(), w.bfloat16()).dtype == torch.float32
+        assert promote(x.bfloat16(), w).dtype == torch.float32
+    assert half(x, w).dtype == torch.float32  # outside autocast: unchanged
+    import sys
+
+    me = sys.modules[__name__]
+    original = me.gelu_sum
+    amp.register_half_function(me, "gelu_sum")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert me.gelu_sum(x, w).dtype == torch.bfloat16
+    finally:
+        me.gelu_sum = original
+
+
+def test_what_apex_had_that_no_longer_makes_sense_says_what_to_write():
+    with pytest.raises(
+        ValueError, match=r"never patches torch itself.*amp\.half_function\(torch\.einsum\)"
+    ):
+        amp.register_half_function(torch, "einsum")
+    with pytest.raises(RuntimeError, match=r"amp\.initialize\(model, optimizer, opt_level='O1'\)"):
+        amp.init()
+    with pytest.raises(RuntimeError, match=r"amp\.initialize\(model, optimizer, opt_level='O2'\)"):
+        amp.FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))

@@ -1,0 +1,98 @@
+"""distamp.GradScaler: torch.amp.GradScaler's API, one decision on every rank, FP16 gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from models import data, mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+
+
+def torch_amp_script(rank, world, scaler_kind, fused=False, inject=None, steps=8):
+    """A torch.amp + DDP script; the only change for distamp is the GradScaler line."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    ddp = DDP(model) if world > 1 else model
+    scaler = distamp.GradScaler() if scaler_kind == "distamp" else torch.amp.GradScaler("cpu")
+    skipped = []
+    for step, (x, y) in enumerate(data(steps, 4 * world)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]).float(), y[rank * 4 : rank * 4 + 4])
+        scaler.scale(loss).backward()
+        if inject is not None and step == inject and rank == world - 1:
+            model[0].weight.grad.view(-1)[0] = float("inf")  # after the all-reduce: this rank only
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(
+            all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        )
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "scale": scaler.get_scale(),
+        "skipped": skipped,
+        "state": scaler.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_inf_on_one_rank_only_makes_every_rank_skip(fused):
+    results = run_ranks(torch_amp_script, 2, "distamp", fused, 3)
+    for r in results:
+        assert r["skipped"] == [s == 3 for s in range(8)]
+        assert r["scale"] == 2.0**15
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+    # torch's own scaler: the rank with the inf skips alone, the ranks drift apart.
+    torch_results = run_ranks(torch_amp_script, 2, "torch", fused, 3)
+    assert torch_results[0]["skipped"][3] is False and torch_results[1]["skipped"][3] is True
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(torch_results[0]["params"], torch_results[1]["params"], strict=True)
+    )
+
+
+def test_same_result_as_torch_scaler_without_faults():
+    ours = torch_amp_script(0, 1, "distamp")
+    theirs = torch_amp_script(0, 1, "torch")
+    for a, b in zip(ours["params"], theirs["params"], strict=True):
+        assert torch.equal(a, b)
+    assert ours["state"] == {
+        k: (v if not isinstance(v, torch.Tensor) else v.item()) for k, v in theirs["state"].items()
+    }
+
+
+def test_fp16_gradients_work_where_torch_raises():
+    def run(scaler):
+        model = mlp().half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = data(1, 4)[0]
+        scaler.scale(F.mse_loss(model(x.half()).float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        return model
+
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        run(torch.amp.GradScaler("cpu"))
+    model = run(distamp.GradScaler())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_growth_never_reaches_inf_and_state_round_trips():
+    scaler = distamp.GradScaler(init_scale=2.0**120, growth_interval=1, max_scale=float("inf"))
+    opt = torch.optim.SGD(mlp().parameters(), lr=0.0)
+    for _ in range(20):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.zeros_like(p)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**127  # the largest power of two below float32's inf
+    other = distamp.GradScaler()
+    other.load_state_dict(scaler.state_dict())
+    assert other.state_dict() == scaler.state_dict()
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+        scaler.unscale_(opt)

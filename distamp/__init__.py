@@ -12,7 +12,15 @@ from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
 from .grad_scaler import GradScaler
 from .scaler import LossScaler
-from .wrap import AmpStats, clip_grad_norm_, scale_loss, stats, unscale_, wrap
+from .wrap import (
+    AmpStats,
+    autocast_exclude,
+    clip_grad_norm_,
+    scale_loss,
+    stats,
+    unscale_,
+    wrap,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +34,7 @@ __all__ = [
     "Properties",
     "__version__",
     "amp",
+    "autocast_exclude",
     "checkpoint",
     "debug",
     "clip_grad_norm_",

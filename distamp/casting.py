@@ -11,6 +11,8 @@ replicate, deepcopy, FSDP's own class swap, a thread pool) keeps it, and torch i
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,15 +42,31 @@ class CastPolicy:
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor inside ``value`` (nested lists/tuples/dicts) to ``dtype``."""
+    """Cast every floating-point tensor inside ``value`` to ``dtype`` (apex's applier).
+
+    Walks lists, tuples, namedtuples, dicts and dataclasses; other objects with a ``.to()`` method
+    (e.g. a batch object) get ``.to(dtype)``; integer tensors, strings, numbers and NumPy arrays
+    pass through untouched.
+    """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(cast_floating(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, Mapping):
         return type(value)({k: cast_floating(v, dtype) for k, v in value.items()})  # type: ignore[call-arg]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: cast_floating(getattr(value, f.name), dtype)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
+        return value.to(dtype)
     return value
 
 
@@ -127,17 +145,75 @@ def cast_policy(props: Properties, device_type: str) -> CastPolicy:
     )
 
 
-def cast_model(model: nn.Module, props: Properties, device_type: str) -> None:
+def resolve_fp32_modules(models: list[nn.Module], keep: Any) -> tuple[list[nn.Module], set[int]]:
+    """``keep_fp32_modules`` (modules, or fnmatch patterns of qualified names) resolved against
+    ``models``: (the matched modules, ids of every module in their subtrees).
+
+    Raises ValueError naming an entry that matches nothing (a typo must not silently keep a
+    layer in half precision).
+    """
+    if keep is None:
+        return [], set()
+    entries = [keep] if isinstance(keep, (str, nn.Module)) else list(keep)
+    named = [
+        (name if len(models) == 1 else f"models[{i}].{name}", module)
+        for i, model in enumerate(models)
+        for name, module in model.named_modules()
+    ]
+    chosen: dict[int, nn.Module] = {}
+    for entry in entries:
+        if isinstance(entry, nn.Module):
+            hits = [m for _, m in named if m is entry]
+        elif isinstance(entry, str):
+            hits = [m for n, m in named if n and fnmatch.fnmatchcase(n, entry)]
+        else:
+            raise TypeError(
+                f"keep_fp32_modules: expected modules or name patterns (str), got "
+                f"{type(entry).__name__}"
+            )
+        if not hits:
+            examples = ", ".join(repr(n) for n, _ in named[1:4])
+            raise ValueError(
+                f"keep_fp32_modules: {entry if isinstance(entry, str) else type(entry).__name__!r}"
+                f" matched no module of the model(s); expected a submodule or a pattern of "
+                f"qualified names such as {examples}"
+            )
+        for m in hits:
+            chosen[id(m)] = m
+    inside = {id(sub) for m in chosen.values() for sub in m.modules()}
+    # Keep only the outermost chosen modules (a chosen module inside another is covered by it).
+    nested = {id(sub) for m in chosen.values() for sub in m.modules() if sub is not m}
+    return [m for k, m in chosen.items() if k not in nested], inside
+
+
+def keep_fp32(module: nn.Module) -> None:
+    """Give ``module`` the FP32 forward: inputs cast up, autocast off inside, outputs cast back."""
+    if not isinstance(module, FP32NormModule):
+        module.__class__ = _subclass(type(module), FP32NormModule, {})
+
+
+def cast_model(
+    model: nn.Module,
+    props: Properties,
+    device_type: str,
+    fp32_modules: tuple[list[nn.Module], set[int]] = ([], set()),
+) -> None:
     """Cast ``model`` in place for ``props`` and give it the autocast/cast ``forward``.
 
     Parameters keep their identity (only ``.data`` changes), so references held elsewhere stay
-    valid; FP32 master copies must be taken before this is called.
+    valid; FP32 master copies must be taken before this is called. ``fp32_modules``
+    (:func:`resolve_fp32_modules`) stay FP32, with autocast off inside them.
     """
+    keep_top, keep_all = fp32_modules
+    for module in keep_top:
+        keep_fp32(module)
     target = props.cast_model_type
     if target in HALF_DTYPES:
         assert target is not None
         norm_classes: dict[type, type] = {}
         for module in model.modules():
+            if id(module) in keep_all:
+                continue
             if props.keep_batchnorm_fp32 and isinstance(module, NORM_TYPES):
                 cls = type(module)
                 if cls not in norm_classes:

@@ -73,6 +73,7 @@ def wrap(
     shard_master_weights: bool | None = None,
     process_group: dist.ProcessGroup | None = None,
     max_consecutive_skips: int = 50,
+    keep_fp32_modules: Any = None,
 ) -> Any:
     """Prepare FP32 model(s) and optimizer(s) for mixed precision at ``opt_level`` (apex.amp.initialize).
 
@@ -80,7 +81,9 @@ def wrap(
     identity; the optimizers keep their identity and step FP32 master weights from now on. A single
     model/optimizer in gives a single one out, lists give lists in the same order; with
     ``optimizers=None`` only the model(s) are returned. ``enabled=False`` returns the inputs
-    untouched and makes every other distamp call a no-op.
+    untouched and makes every other distamp call a no-op. ``keep_fp32_modules`` (submodules, or
+    fnmatch patterns of their qualified names such as ``"blocks.*.attn.softmax"``) stay FP32
+    under every opt_level, with autocast off inside and their inputs cast up and outputs back.
     """
     model_list, models_listed = _as_list(models, nn.Module, "models")
     opt_list, opts_listed = (
@@ -122,9 +125,13 @@ def wrap(
     )
     names = _check_models(model_list)
     _check_optimizers(opt_list, names)
-    check_same_on_all_ranks("distamp.wrap", _fingerprint(props, model_list, opt_list), group)
-
-    cast_ids = _params_to_cast(model_list, props) if props.master_weights else set()
+    fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
+    facts = _fingerprint(props, model_list, opt_list)
+    facts.append(("keep_fp32_modules", str(sorted(_module_names(model_list, fp32_modules[0])))))
+    check_same_on_all_ranks("distamp.wrap", facts, group)
+    cast_ids = (
+        _params_to_cast(model_list, props, fp32_modules[1]) if props.master_weights else set()
+    )
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group)
         if props.shard_master_weights
@@ -132,7 +139,7 @@ def wrap(
         for opt in opt_list
     ]
     for model in model_list:
-        casting.cast_model(model, props, device_type)
+        casting.cast_model(model, props, device_type, fp32_modules)
     for master in masters:
         master.after_cast()
     if props.master_weights:
@@ -256,9 +263,25 @@ def _fingerprint(
     return facts
 
 
-def _params_to_cast(models: list[nn.Module], props: Properties) -> set[int]:
+def _module_names(models: list[nn.Module], modules: list[nn.Module]) -> list[str]:
+    wanted = {id(m) for m in modules}
+    return [
+        f"{i}:{name}"
+        for i, model in enumerate(models)
+        for name, m in model.named_modules()
+        if id(m) in wanted
+    ]
+
+
+def _params_to_cast(
+    models: list[nn.Module], props: Properties, fp32_module_ids: set[int] | None = None
+) -> set[int]:
     """ids of the parameters that ``cast_model`` will cast to the half dtype."""
     keep: set[int] = set()
+    for model in models:
+        for module in model.modules():
+            if id(module) in (fp32_module_ids or set()):
+                keep.update(id(p) for p in module.parameters(recurse=False))
     if props.keep_batchnorm_fp32:
         for model in models:
             for module in model.modules():
@@ -314,6 +337,27 @@ def _scheduler_tracked_step(opt: torch.optim.Optimizer) -> Any:
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
+
+
+def autocast_exclude(module: nn.Module) -> nn.Module:
+    """Run ``module`` (a submodule of an O0/O1 model) without autocast, its inputs cast to FP32 and
+    its outputs back to the incoming dtype. Under O2/O3 (half weights) pass the module to
+    ``wrap(..., keep_fp32_modules=[...])`` instead, so that it is never cast."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"autocast_exclude: expected an nn.Module, got {type(module).__name__}")
+    half = [
+        n
+        for n, p in module.named_parameters()
+        if p.is_floating_point() and p.dtype != torch.float32
+    ]
+    if half:
+        raise ValueError(
+            f"autocast_exclude: parameter {half[0]!r} of this module is already "
+            f"{dict(module.named_parameters())[half[0]].dtype}; expected FP32 weights (O0/O1). "
+            "Under O2/O3 use distamp.wrap(..., keep_fp32_modules=[module]) so it is never cast"
+        )
+    casting.keep_fp32(module)
+    return module
 
 
 # -- per-step API -------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""``python -m distamp.doctor [--seconds S]``: what this machine can do for mixed precision."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import machine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distamp.doctor", description=__doc__)
+    parser.add_argument("--seconds", type=float, default=1.0, help="time spent measuring matmuls")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    facts = machine(args.seconds)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    print(f"torch        {facts['torch']}")
+    print(f"devices      {', '.join(facts['devices'])}")
+    print(
+        "backends     "
+        + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in facts["backends"].items())
+    )
+    print(
+        "matmul       "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in facts["matmul_gflops"].items())
+    )
+    if facts["gloo_reduces"]:
+        print(
+            "gloo reduces "
+            + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in facts["gloo_reduces"].items())
+        )
+    for line in facts["advice"]:
+        print(f"advice       {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -367,6 +367,13 @@ MATRIX = [
         CheckpointError,
         r"was not returned by distamp\.wrap",
     ),
+    (
+        "load_checkpoint(None) when latest_checkpoint found none",
+        stepped,
+        lambda m, o, t: distamp.load_checkpoint(distamp.latest_checkpoint(t), m, o),
+        CheckpointError,
+        r"got None \(latest_checkpoint\(root\) returns None",
+    ),
     # -- FSDP
     (
         "fsdp.fully_shard without a process group",

@@ -323,7 +323,7 @@ def _load_rng(directory: Path, rank: int) -> None:
 # -- load ---------------------------------------------------------------------------------------
 
 
-def load_checkpoint(directory: PathLike, model: Any, optimizer: Any) -> dict[str, Any]:
+def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> dict[str, Any]:
     """Collective over the wrapped optimizer's process group: restore a checkpoint; return ``extra``.
 
     Works at any world size (DCP reads each rank's piece of the canonical tensors), sharded or
@@ -332,6 +332,11 @@ def load_checkpoint(directory: PathLike, model: Any, optimizer: Any) -> dict[str
     :class:`CheckpointError` on every rank, naming it, before anything is changed. Pending
     gradients are dropped. RNG states are restored when the world size is the one saved.
     """
+    if directory is None:
+        raise CheckpointError(
+            "load_checkpoint: expected a checkpoint directory, got None (latest_checkpoint(root) "
+            "returns None when root holds no complete checkpoint: start fresh in that case)"
+        )
     target = _Target(model, optimizer, "load_checkpoint")
     directory = Path(directory)
     pg = target.pg

@@ -1,0 +1,388 @@
+"""distamp against its peers on one model, side by side: one command, one table.
+
+    python benchmarks/compare.py                   # W1: GPT bench (16M), batch 8x128/rank, 2 ranks
+    python benchmarks/compare.py --workload w2     # W2: batch 1x128/rank (communication-bound)
+    python benchmarks/compare.py --quick           # tiny sizes, a smoke run (under 3 minutes)
+    python benchmarks/compare.py --plot            # also a PNG bar chart (needs matplotlib)
+
+Every configuration trains examples/train_gpt.py's GPT on the same data for the same steps, on
+``--world`` ranks (gloo on CPU, NCCL on GPUs), each in its own spawned world so its peak RSS is its
+own; rounds alternate the order of the configurations so machine drift favours none. The table:
+median step time and its spread, speed-up over FP32 DDP, tokens/s, achieved FLOP/s (6 x params x
+tokens) as a fraction of the bf16 matmul peak measured in the same run, peak RSS and optimizer
+state (+ FP32 masters) per rank, gradient bytes each rank puts on the wire per step, first and
+final loss. "floor" rows run without any communication (each rank steps 1/N of the parameters):
+the speed a data-parallel run cannot beat. Results go to ``--out-dir`` as JSON and Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from train_gpt import GPT, SIZES, GPTConfig, RandomWindows, load_stdlib_bytes
+
+import distamp
+import distamp.fsdp
+from distamp.doctor import matmul_gflops
+
+CONFIGS = [
+    "FP32 DDP",
+    "torch.autocast + DDP",
+    "torch.autocast + DDP + torch fp16_compress_hook",
+    "torch.autocast + ZeroRedundancyOptimizer",
+    "FSDP2 MixedPrecisionPolicy",
+    "DeepSpeed ZeRO-1 bf16",
+    "distamp O1 + hook",
+    "distamp O2 replicated + hook",
+    "distamp O2 sharded + hook",
+    "floor: pure bf16, no communication",
+    "floor: autocast bf16, no communication",
+]
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _held(opt: Any) -> int:
+    """Bytes of optimizer state (and distamp's FP32 masters) this rank holds."""
+    if isinstance(opt, distamp.optim.AmpOptimizer):
+        s = distamp.stats(opt)
+        return s.master_bytes + s.optimizer_state_bytes
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    total = 0
+    for per in inner.state.values():
+        for v in per.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return total
+
+
+def setup(config: str, model: nn.Module, lr: float, device: torch.device, world: int, rank: int):
+    """(step function, optimizer, gradient bytes per parameter on the wire)."""
+    dtype = torch.bfloat16
+    autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+
+    def plain_step(train: nn.Module, opt: torch.optim.Optimizer, cast: bool) -> Step:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if cast:
+                with autocast():
+                    logits = train(x)
+            else:
+                logits = train(x)
+            loss = _loss(logits, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    def distamp_step(train: nn.Module, opt: torch.optim.Optimizer) -> Step:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = _loss(train(x), y)
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    if config == "FP32 DDP":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(DDP(model), opt, False), opt, 4
+    if config == "torch.autocast + DDP":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(DDP(model), opt, True), opt, 4
+    if config == "torch.autocast + DDP + torch fp16_compress_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(ddp, opt, True), opt, 2
+    if config == "torch.autocast + ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DDP(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        return plain_step(ddp, opt, True), opt, 4
+    if config == "FSDP2 MixedPrecisionPolicy":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=inner)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(dtype, dtype, torch.float32))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(model, opt, False), opt, 2
+    if config == "DeepSpeed ZeRO-1 bf16":
+        import deepspeed  # noqa: F401 - an optional extra: '.[bench]'
+
+        raise NotImplementedError("DeepSpeed on this backend")  # pragma: no cover
+    if config.startswith("distamp"):
+        level = "O1" if "O1" in config else "O2"
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        kwargs = {} if level == "O1" else {"shard_master_weights": "sharded" in config}
+        model, opt = distamp.wrap(
+            model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
+        )
+        ddp = DDP(model)
+        distamp.hooks.register(ddp, opt)
+        return distamp_step(ddp, opt), opt, 2
+    if config.startswith("floor"):
+        params = list(model.parameters())
+        if "pure" in config:
+            model.to(dtype)
+        opt = torch.optim.AdamW(params[rank::world], lr=lr)
+        return plain_step(model, opt, "autocast" in config), opt, 0
+    raise ValueError(f"unknown configuration {config!r}")
+
+
+def worker(rank: int, world: int, rdzv: str, config: str, opts: dict[str, Any], out: str) -> None:
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        init_method=f"file://{rdzv}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=opts["timeout"]),
+    )
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=opts["seq"], **SIZES[opts["size"]])).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    result: dict[str, Any] = {"config": config, "params": n_params}
+    try:
+        step, opt, wire = setup(config, model, opts["lr"], device, world, rank)
+    except ImportError as exc:
+        result["skipped"] = f"{type(exc).__name__}: {exc} (pip install -e '.[bench]')"
+        step = None
+    except NotImplementedError as exc:
+        result["skipped"] = str(exc)
+        step = None
+    if step is not None:
+        data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
+        times, losses = [], []
+        for i in range(opts["warmup"] + opts["steps"]):
+            x, y = data.batch(opts["batch"], device, i)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step(x, y)
+            if use_cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            losses.append(float(loss))
+            if i >= opts["warmup"]:
+                times.append(elapsed)
+        result |= {
+            "times": times,
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "held_bytes": _held(opt),
+            "wire_bytes": wire * n_params,
+        }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def run_world(fn: Any, world: int, config: str, opts: dict[str, Any], prefix: str) -> Any:
+    """Spawn ``world`` ranks of ``fn`` and return rank 0's gathered results. A world that fails
+    or hangs past the deadline (seen rarely with gloo between spawns) is killed and run again
+    once; a second failure becomes a "failed" row instead of stopping the comparison."""
+    ctx = mp.get_context("spawn")
+    error = ""
+    for attempt in range(2):
+        out, rdzv = f"{prefix}-{attempt}.json", f"{prefix}-{attempt}.rdzv"
+        procs = [
+            ctx.Process(target=fn, args=(r, world, rdzv, config, opts, out)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + opts["timeout"]
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        if not hung and all(p.exitcode == 0 for p in procs) and os.path.exists(out):
+            return json.loads(Path(out).read_text())
+        error = "hung" if hung else f"exit codes {[p.exitcode for p in procs]}"
+        print(f"{config}: attempt {attempt + 1} failed ({error})", flush=True)
+    return [{"config": config, "skipped": f"failed twice ({error})"}]
+
+
+def summarize(config: str, rounds: list[list[dict[str, Any]]], opts: dict[str, Any], peak: float):
+    first = rounds[0][0]
+    if "skipped" in first:
+        return {"config": config, "skipped": first["skipped"]}
+    times = [t for run in rounds for t in run[0]["times"]]
+    median = statistics.median(times)
+    tokens = opts["batch"] * opts["seq"] * opts["world"]
+    flops_per_rank = 6 * first["params"] * opts["batch"] * opts["seq"]
+    return {
+        "config": config,
+        "median_s": median,
+        "spread_s": statistics.pstdev(times) if len(times) > 1 else 0.0,
+        "tokens_per_s": tokens / median,
+        "peak_fraction": flops_per_rank / median / 1e9 / peak,
+        "peak_rss_mb": max(r["peak_rss"] for run in rounds for r in run) / 1e6,
+        "held_mb": max(r["held_bytes"] for run in rounds for r in run) / 1e6,
+        "wire_mb": first["wire_bytes"] / 1e6,
+        "first_loss": statistics.fmean(r["first_loss"] for r in rounds[-1]),
+        "final_loss": statistics.fmean(r["final_loss"] for r in rounds[-1]),
+    }
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    base = next(
+        (r["median_s"] for r in rows if r["config"] == "FP32 DDP" and "median_s" in r), None
+    )
+    lines = [
+        header,
+        "",
+        "| configuration | median step s | spread s | vs FP32 DDP | tokens/s | of bf16 peak | "
+        "peak RSS/rank MB | opt state+masters/rank MB | grad MB on wire/step | loss first -> final |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['config']} | skipped: {r['skipped']} |||||||||")
+            continue
+        speed = f"{base / r['median_s']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['config']} | {r['median_s']:.3f} | {r['spread_s']:.3f} | {speed} | "
+            f"{r['tokens_per_s']:.0f} | {r['peak_fraction']:.1%} | {r['peak_rss_mb']:.0f} | "
+            f"{r['held_mb']:.1f} | {r['wire_mb']:.1f} | {r['first_loss']:.3f} -> "
+            f"{r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+    done = [r for r in rows if "median_s" in r]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(done) + 1))
+    ax.barh(
+        [r["config"] for r in done],
+        [r["median_s"] for r in done],
+        xerr=[r["spread_s"] for r in done],
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("median step time (s), lower is better")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--workload",
+        choices=["w1", "w2"],
+        default="w1",
+        help="w1: batch 8 per rank (compute-bound); w2: batch 1 (communication)",
+    )
+    parser.add_argument("--size", choices=sorted(SIZES), default="bench")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per world")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    batch = 8 if args.workload == "w1" else 1
+    if args.quick:
+        args.size, args.seq, args.steps, args.warmup, args.rounds = "tiny", 32, 3, 1, 1
+        batch, args.lr = 2, 3e-3
+    configs = args.only or CONFIGS
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
+    opts = {
+        "size": args.size,
+        "seq": args.seq,
+        "batch": batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "lr": args.lr,
+        "world": args.world,
+        "data_mb": 0.5 if args.quick else 4.0,
+        "timeout": args.timeout or (120.0 if args.quick else 1800.0),
+    }
+    torch.set_num_threads(args.threads)
+    peak = matmul_gflops(torch.bfloat16, 0.2 if args.quick else 1.0)
+    runs: dict[str, list[Any]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="distamp-compare-") as tmp:
+        for r in range(args.rounds):
+            order = configs if r % 2 == 0 else configs[::-1]
+            for i, config in enumerate(order):
+                runs[config].append(run_world(worker, args.world, config, opts, f"{tmp}/{r}-{i}"))
+                print(f"round {r + 1}/{args.rounds}: {config} done", flush=True)
+    rows = [summarize(c, runs[c], opts, peak) for c in configs]
+    device = "CUDA/NCCL" if torch.cuda.is_available() else "CPU/gloo"
+    params = next((run[0][0]["params"] for run in runs.values() if "params" in run[0][0]), 0)
+    header = (
+        f"GPT {args.size} ({params / 1e6:.1f}M params), workload {args.workload}: "
+        f"batch {batch}x{args.seq} per rank, {args.world} ranks ({device}, {args.threads} "
+        f"thread(s)/rank), {args.steps} steps x {args.rounds} rounds; bf16 matmul peak "
+        f"{peak:.1f} GFLOP/s per rank, measured in this run"
+    )
+    table = markdown(rows, header)
+    print("\n" + table)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"compare-{args.workload}{'-quick' if args.quick else ''}"
+    (args.out_dir / f"{stem}.md").write_text(table)
+    (args.out_dir / f"{stem}.json").write_text(
+        json.dumps({"options": opts, "bf16_peak_gflops": peak, "rows": rows}, indent=2) + "\n"
+    )
+    if args.plot:
+        print(plot(rows, args.out_dir / f"{stem}.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -189,51 +189,36 @@ def _widest(values: Any) -> torch.dtype | None:
     return widest
 
 
-def half_function(fn: F) -> F:
-    """Run ``fn`` in the autocast half dtype when autocast is on (O1): its floating inputs are cast
-    to it. Outside autocast ``fn`` runs unchanged."""
+def _cast_call(fn: F, pick: Callable[[str, tuple[Any, ...]], torch.dtype | None]) -> F:
+    """``fn`` wrapped: under autocast, its floating inputs cast to ``pick(device, inputs)`` and
+    autocast off inside; outside autocast (or when ``pick`` gives None) ``fn`` runs unchanged."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         device = _autocast_device(args, kwargs)
-        if device is None:
+        dtype = pick(device, (*args, *kwargs.values())) if device is not None else None
+        if device is None or dtype is None:
             return fn(*args, **kwargs)
-        dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
             return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
 
     return wrapper  # type: ignore[return-value]
+
+
+def half_function(fn: F) -> F:
+    """Run ``fn`` in the autocast half dtype when autocast is on (O1): its floating inputs are cast
+    to it. Outside autocast ``fn`` runs unchanged."""
+    return _cast_call(fn, lambda device, _: torch.get_autocast_dtype(device))
 
 
 def float_function(fn: F) -> F:
     """Run ``fn`` in FP32 even under autocast (O1): inputs cast up, autocast off inside."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        device = _autocast_device(args, kwargs)
-        if device is None:
-            return fn(*args, **kwargs)
-        with torch.autocast(device, enabled=False):
-            return fn(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
-
-    return wrapper  # type: ignore[return-value]
+    return _cast_call(fn, lambda _device, _inputs: torch.float32)
 
 
 def promote_function(fn: F) -> F:
     """Under autocast, cast ``fn``'s floating inputs to the widest floating dtype among them."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        device = _autocast_device(args, kwargs)
-        if device is None:
-            return fn(*args, **kwargs)
-        dtype = _widest((*args, *kwargs.values()))
-        if dtype is None:
-            return fn(*args, **kwargs)
-        with torch.autocast(device, enabled=False):
-            return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
-
-    return wrapper  # type: ignore[return-value]
+    return _cast_call(fn, lambda _device, inputs: _widest(inputs))
 
 
 def _register(module: Any, name: str, decorator: Callable[[F], F], what: str) -> None:

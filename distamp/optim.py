@@ -310,7 +310,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "through distamp.scale_loss); call step() without a closure"
             )
         st = self._distamp
-        no_grads = all(g is None for g in st.masters.model_grads())
+        # Stops at the first gradient: O(1) on a normal step.
+        no_grads = all(p.grad is None for p in st.masters.model_params)
         if no_grads:
             fsdp = st.group.sharded_by_fsdp_after_wrap()
             if fsdp is not None:

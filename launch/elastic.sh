@@ -11,14 +11,8 @@
 # MAX_RESTARTS (default 2), FAIL_AT (step of the injected failure on the first attempt, default
 # 25; 0 turns it off). Further arguments go to examples/train_gpt.py.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-PY=${PYTHON:-python3}
-
-NPROC=${NPROC:-2}
+source "$(dirname "$0")/common.sh"
 CKPT=${CKPT:-runs/elastic}
-CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
 
 if [[ $# -eq 0 ]]; then
     set -- --size tiny --steps 40 --log-every 5

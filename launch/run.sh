@@ -7,18 +7,7 @@
 # CPU: gloo, one rank per NPROC (default 2). GPUs: NCCL, one rank per GPU unless NPROC says
 # otherwise. The script picks the backend itself (NCCL when CUDA is available, else gloo).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-PY=${PYTHON:-python3}
-
-GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [[ -z "${NPROC:-}" ]]; then
-    NPROC=$(( GPUS > 0 ? GPUS : 2 ))
-fi
-# Split the cores between the ranks so they do not oversubscribe them (1 thread each when there
-# are at least as many ranks as cores). A value set by the caller wins.
-CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+source "$(dirname "$0")/common.sh"
 
 if [[ $# -eq 0 ]]; then
     # O2 (O0 on a CPU without bf16 units); a sharded checkpoint every 20 steps under runs/main

@@ -4,14 +4,6 @@
 #   bash launch/run_fsdp.sh                                   # 2 ranks, tiny model, 20 steps
 #   NPROC=4 bash launch/run_fsdp.sh --size small --steps 50   # arguments go to train_gpt_fsdp.py
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-PY=${PYTHON:-python3}
-GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [[ -z "${NPROC:-}" ]]; then
-    NPROC=$(( GPUS > 0 ? GPUS : 2 ))
-fi
-CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+source "$(dirname "$0")/common.sh"
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     examples/train_gpt_fsdp.py --threads "$OMP_NUM_THREADS" "$@"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from asserts import assert_same
 from dist_harness import run_ranks
-from test_checkpoint import assert_same
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from asserts import assert_same as same
 from torch import nn
 
 import distamp
@@ -74,21 +75,6 @@ def _stats(opt):
     except TypeError:
         return None
     return (s.steps, s.skipped_steps, s.loss_scales, s.master_bytes)
-
-
-def same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def _save(tmp, model, opt, **kwargs):

@@ -34,6 +34,7 @@ from .state import (
     is_dtensor,
     kept_state,
     model_entry,
+    numel,
     optimizer_views,
     param_names,
     to_dtensor,
@@ -667,9 +668,7 @@ def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Te
         canonical = entry["aliases"].get(key)
         if canonical is not None and canonical in where:
             flat_key, start, shape = where[canonical]
-            n = 1
-            for d in shape:
-                n *= d
+            n = numel(shape)
             out[key] = dest[flat_key][start : start + n].view(shape).clone()
         elif value.is_floating_point():
             out[key] = value.float()
@@ -714,9 +713,7 @@ def consolidate_optimizer_state(
         for i, (name, start, shape) in enumerate(
             zip(flat["names"], starts, flat["shapes"], strict=True)
         ):
-            n = 1
-            for d in shape:
-                n *= d
+            n = numel(shape)
             per: dict[str, Any] = {
                 "master": dest[f"optim.{o}.g{g}.master"][start : start + n].view(shape)
             }
@@ -749,11 +746,7 @@ def inspect(directory: PathLike) -> dict[str, Any]:
             if canonical in counted:
                 continue
             counted.add(canonical)
-            shape = entry["keys"][key][0]
-            n = 1
-            for d in shape:
-                n *= d
-            params += n
+            params += numel(entry["keys"][key][0])
     sizes = {name: size for name, (size, _) in manifest["files"].items()}
     return {
         "directory": str(directory),

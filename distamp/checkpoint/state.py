@@ -26,6 +26,7 @@ failed load leaves the model and optimizer as they were.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,15 +199,13 @@ def flat_starts(shapes: list[tuple[int, ...]]) -> list[int]:
     starts, offset = [], 0
     for shape in shapes:
         starts.append(offset)
-        offset += _numel(shape)
+        offset += numel(shape)
     return starts
 
 
-def _numel(shape: tuple[int, ...] | list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+def numel(shape: tuple[int, ...] | list[int]) -> int:
+    """Number of elements of a tensor of ``shape`` (a manifest stores shapes as lists)."""
+    return math.prod(int(d) for d in shape)
 
 
 # -- reading the live state ---------------------------------------------------------------------

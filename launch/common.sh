@@ -1,0 +1,14 @@
+# Sourced by the launch/ scripts: install, then pick the ranks and threads per rank.
+#   PY               the Python to run (PYTHON, default python3)
+#   NPROC            ranks on this node (default: one per GPU, else 2)
+#   OMP_NUM_THREADS  the cores split between the ranks (1 each when there are at least as many
+#                    ranks as cores); a value set by the caller wins
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+PY=${PYTHON:-python3}
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=$(( GPUS > 0 ? GPUS : 2 ))
+fi
+CORES=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}

@@ -24,7 +24,28 @@ from torch.nn.modules.batchnorm import _NormBase
 from .config import HALF_DTYPES, Properties
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-"""Modules kept in FP32 under ``keep_batchnorm_fp32`` (BatchNorm, InstanceNorm, LayerNorm, ...)."""
+"""torch's normalization classes (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."""
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Is ``module`` a normalization layer (kept FP32 under ``keep_batchnorm_fp32``)?
+
+    [Note: recognizing norm layers] torch's classes (:data:`NORM_TYPES` and their subclasses,
+    e.g. timm's ``LayerNorm2d``), and any module whose class name contains "norm" (any case) whose
+    own parameters are all vectors or scalars (weight, bias, gain) and whose submodules hold no
+    parameters: nanoGPT's ``LayerNorm(bias=False)``, Hugging Face's ``LlamaRMSNorm`` and
+    ``T5LayerNorm``, apex's ``FusedLayerNorm``. The shape rule keeps out modules that merely have
+    "Norm" in their name but hold matrices (``NormalizedLinear``, DiT's ``AdaLayerNorm`` with its
+    projection). Anything else is kept FP32 by ``keep_fp32_modules``; ``distamp.doctor`` lists
+    the modules recognized.
+    """
+    if isinstance(module, NORM_TYPES):
+        return True
+    if "norm" not in type(module).__name__.lower():
+        return False
+    if any(p.is_floating_point() and p.dim() > 1 for p in module.parameters(recurse=False)):
+        return False
+    return not any(True for child in module.children() for _ in child.parameters())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +235,7 @@ def cast_model(
         for module in model.modules():
             if id(module) in keep_all:
                 continue
-            if props.keep_batchnorm_fp32 and isinstance(module, NORM_TYPES):
+            if props.keep_batchnorm_fp32 and is_norm(module):
                 cls = type(module)
                 if cls not in norm_classes:
                     norm_classes[cls] = _subclass(cls, FP32NormModule, {})

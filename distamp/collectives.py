@@ -68,3 +68,44 @@ def check_same_on_all_ranks(
                     f"{other_rank} has {theirs[0]}={theirs[1]}; every rank must run the same "
                     "model and settings"
                 )
+
+
+BROADCAST_BUCKET_BYTES = 32 << 20
+"""Largest flat buffer :func:`broadcast_from_rank0_` sends at once (DDP's default bucket size)."""
+
+
+def broadcast_from_rank0_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Collective over ``group``: every rank's ``tensors`` take the values of the group's rank 0.
+
+    [Note: rank 0's weights are everyone's] DDP broadcasts rank 0's parameters and buffers when
+    it is built, so a script that seeds each rank differently before building its model (nanoGPT
+    does) still trains one model. ``distamp.wrap`` and ``distamp.fsdp.fully_shard`` run before
+    that broadcast and capture state from the weights (FP32 masters, FSDP's shards), so they make
+    rank 0's values everyone's first, the same way: in flat buckets per dtype. The tensors must
+    have the same shapes and dtypes on every rank (checked before, by the wrap fingerprint).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    device = backend_device(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    buckets: list[list[torch.Tensor]] = []
+    for dtype, same in by_dtype.items():
+        limit = max(1, BROADCAST_BUCKET_BYTES // torch.empty((), dtype=dtype).element_size())
+        size = limit
+        for tensor in same:
+            if size + tensor.numel() > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(tensor)
+            size += tensor.numel()
+    with torch.no_grad():
+        for bucket in buckets:
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

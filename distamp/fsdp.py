@@ -35,7 +35,8 @@ from . import casting
 from .casting import NORM_TYPES, FP32NormModule
 from .collectives import all_reduce_, check_same_on_all_ranks
 from .config import HALF_DTYPES, Properties, resolve_properties
-from .optim import AmpOptimizer, AmpOptimizerState, ModelGrads, _check_and_unscale
+from .nonfinite import check_and_unscale_
+from .optim import AmpOptimizer, AmpOptimizerState, ModelGrads
 from .scaler import ScalerGroup
 
 BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
@@ -69,10 +70,10 @@ class FSDPParams(ModelGrads):
         """FSDP casts for the forward itself."""
 
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
-        return _check_and_unscale(self._local_grads(), inv_scale, self._device())
+        return check_and_unscale_(self._local_grads(), inv_scale, self._device())
 
     def check(self) -> torch.Tensor:
-        return _check_and_unscale(self._local_grads(), 1.0, self._device())
+        return check_and_unscale_(self._local_grads(), 1.0, self._device())
 
     def step_grads(self) -> list[torch.Tensor]:
         return self._local_grads()
@@ -257,7 +258,7 @@ def _set_forward_classes(model: nn.Module, props: Properties, device_type: str) 
     if props.cast_model_type in HALF_DTYPES and props.keep_batchnorm_fp32:
         made: dict[type, type] = {}
         for module in model.modules():
-            if isinstance(module, NORM_TYPES):
+            if casting.is_norm(module):
                 cls = type(module)
                 if cls not in made:
                     made[cls] = casting._subclass(cls, FP32NormModule, {})
@@ -281,7 +282,7 @@ def _norm_units(model: nn.Module, props: Properties) -> list[nn.Module]:
         return [
             m
             for m in model.modules()
-            if isinstance(m, NORM_TYPES) and any(True for _ in m.parameters(recurse=False))
+            if casting.is_norm(m) and any(True for _ in m.parameters(recurse=False))
         ]
     return []
 

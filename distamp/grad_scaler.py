@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .optim import _check_and_unscale
+from .nonfinite import check_and_unscale_
 from .scaler import LossScaler
 
 
@@ -120,7 +120,7 @@ class GradScaler:
             if p.grad is not None
         ]
         device = grads[0].device if grads else torch.device("cpu")
-        flag = _check_and_unscale(grads, 1.0 / self._scaler.scale, device)
+        flag = check_and_unscale_(grads, 1.0 / self._scaler.scale, device)
         group = self._process_group()
         if group is not None:
             all_reduce_(flag, dist.ReduceOp.MAX, group)

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from .forensics import NonFiniteReport
+from .nonfinite import check_and_unscale_, nonfinite_flag
 
 if TYPE_CHECKING:
     from .hooks.compress import CompressState
@@ -159,7 +159,7 @@ class MasterParams(ModelGrads):
             if separate:
                 master.grad = param.grad.detach().to(torch.float32)
             grads.append(master.grad if separate else param.grad)  # type: ignore[arg-type]
-        return _check_and_unscale(grads, inv_scale, self._device())
+        return check_and_unscale_(grads, inv_scale, self._device())
 
     def after_cast(self) -> None:
         """Nothing to do once the model is cast (the sharded version re-lays the weights out)."""
@@ -222,37 +222,6 @@ class MasterParams(ModelGrads):
     def columns(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
         """(model params, masters, whether each master is a separate FP32 copy)."""
         return self.model_params, self.masters, self.separate
-
-
-def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A float32 tensor holding 1.0 if any of ``tensors`` holds inf/NaN, else 0.0 (no host sync).
-
-    Uses the fused check-and-unscale kernel with a factor of exactly 1.0: it rewrites each value
-    with itself, and is 15x faster on CPU than the read-only max-abs norm (measured on 20M bf16
-    values: 3.6 ms vs 58 ms); the L2 norm would be as fast but overflows on large finite values.
-    """
-    return _check_and_unscale(list(tensors), 1.0, device)
-
-
-def _check_and_unscale(
-    grads: list[torch.Tensor], inv_scale: float, device: torch.device
-) -> torch.Tensor:
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
-    for (dev, _), group in _by_device_and_dtype(grads).items():
-        found = torch.zeros(1, dtype=torch.float32, device=dev)
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
-        flag = torch.maximum(flag, found.to(device))
-    return flag
-
-
-def _by_device_and_dtype(
-    tensors: Iterable[torch.Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        out[(tensor.device, tensor.dtype)].append(tensor)
-    return out
 
 
 class AmpOptimizerState:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce_
-from .optim import ModelGrads, nonfinite_flag
+from .nonfinite import check_and_unscale_, nonfinite_flag
+from .optim import ModelGrads
 
 CHUNK = 1 << 18
 """Largest slice of a shard the inner optimizer steps as one tensor; see [Note: chunked shards]."""
@@ -187,8 +188,6 @@ class ShardedMasterParams(ModelGrads):
         skip decision reduces the flags with MAX, see [Note: one decision for all ranks]). That
         costs one read-only pass over the local half gradients.
         """
-        from .optim import _check_and_unscale
-
         grads: list[torch.Tensor] = []
         for i, (layout, shard) in enumerate(zip(self.groups, self.shards, strict=True)):
             if not layout.params:
@@ -203,7 +202,7 @@ class ShardedMasterParams(ModelGrads):
             self.shard_grads[i] = flat_grad
             grads.append(flat_grad)
         grads += [p.grad for p in self.replicated if p.grad is not None]
-        flag = _check_and_unscale(grads, inv_scale, self._device())
+        flag = check_and_unscale_(grads, inv_scale, self._device())
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
 

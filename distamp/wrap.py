@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import casting
-from .casting import NORM_TYPES
 from .collectives import check_same_on_all_ranks
 from .config import Properties, check_opt_level, resolve_properties
 from .forensics import NonFiniteReport
@@ -285,7 +284,7 @@ def _params_to_cast(
     if props.keep_batchnorm_fp32:
         for model in models:
             for module in model.modules():
-                if isinstance(module, NORM_TYPES):
+                if casting.is_norm(module):
                     keep.update(id(p) for p in module.parameters(recurse=False))
     return {
         id(p)

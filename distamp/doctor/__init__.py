@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import NORM_TYPES
+from ..casting import is_norm
 from ..config import check_opt_level, parse_half_dtype
 
 
@@ -66,12 +66,7 @@ def check(
     tiny = torch.finfo(half).tiny
     for name, module in model.named_modules():
         eps = getattr(module, "eps", None)
-        if (
-            level != "O0"
-            and isinstance(module, NORM_TYPES)
-            and isinstance(eps, float)
-            and 0 < eps < tiny
-        ):
+        if level != "O0" and is_norm(module) and isinstance(eps, float) and 0 < eps < tiny:
             findings.append(
                 Finding(
                     module=name,

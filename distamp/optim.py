@@ -27,7 +27,6 @@ from .forensics import NonFiniteReport
 from .nonfinite import check_and_unscale_, nonfinite_flag
 
 if TYPE_CHECKING:
-    from .hooks.compress import CompressState
     from .scaler import Backward, ScalerGroup
 
 
@@ -243,8 +242,6 @@ class AmpOptimizerState:
         self.decided_here = False
         """This optimizer's step made the decision (others sharing its losses reuse it)."""
         self.last_nonfinite: NonFiniteReport | None = None
-        self.reducing_hooks: list[CompressState] = []
-        """distamp comm hooks that reduce all of this optimizer's gradients (hooks.register)."""
         self.steps = 0
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -258,8 +255,6 @@ class AmpOptimizerState:
         self.seen_nonfinite = None
         self.overflow = None
         self.masters.release_master_grads()
-        for hook_state in self.reducing_hooks:
-            hook_state.buckets_reduced = 0
 
 
 class AmpOptimizer(torch.optim.Optimizer):

@@ -5,6 +5,10 @@ flags are reduced with MAX over the process group before anything is decided, so
 or steps the same optimizer step and updates the scale identically — also when the non-finite value
 exists on one rank only (a local fault, or sharded gradients that no other rank sees). The scale is
 a Python float, identical on all ranks by construction; it only changes inside :meth:`update`.
+There is no local shortcut, not even when a comm hook has just made the reduced gradients
+identical: a parameter DDP does not reduce (ignored, or frozen when DDP was built and unfrozen
+since) breaks "identical after the all-reduce", and a rank that decided alone would skip while the
+others step, then wait alone in the next collective. One 4-byte MAX all-reduce per step is cheap.
 """
 
 from __future__ import annotations
@@ -302,7 +306,7 @@ class ScalerGroup:
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
             vector = torch.cat([f.to(own.device) for f in flags])
-            if not self._grads_identical_on_all_ranks(st) and self.process_group is not None:
+            if self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
                 self.found_inf_collectives += 1
             result = [v > 0 for v in vector.tolist()]
@@ -315,15 +319,6 @@ class ScalerGroup:
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
-
-    def _grads_identical_on_all_ranks(self, st: AmpOptimizerState) -> bool:
-        """See [Note: the hook makes the overflow check local]."""
-        return (
-            not self.attribute_per_backward
-            and not st.masters.sharded
-            and bool(st.reducing_hooks)
-            and all(h.buckets_reduced > 0 for h in st.reducing_hooks)
-        )
 
     def _block_flag(
         self, block: Backward, st: AmpOptimizerState, own: torch.Tensor

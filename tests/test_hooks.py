@@ -199,11 +199,12 @@ def trainings():
     return run_ranks(_train_all, 2)
 
 
-def test_inf_before_reduction_skips_every_rank_without_an_extra_collective(trainings):
+def test_inf_before_reduction_skips_every_rank_with_one_flag_collective_per_step(trainings):
     results = [t["inject"] for t in trainings]
     for r in results:
         assert r["skipped"] == [False, False, True, False, False, False]
-        assert r["flag_collectives"] == 0  # the hook made the gradients identical: local check
+        # DESIGN semantics 1: exactly one scalar collective per step, also on the hook path
+        assert r["flag_collectives"] == 6
     assert results[0]["scale"] == results[1]["scale"] == 2.0**15
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
@@ -258,3 +259,41 @@ def test_hook_names_differ_from_torchs():
         not in distamp.hooks.bf16_compress_wrapper(default_hooks.allreduce_hook).__name__
     )
     assert dist.is_available()
+
+
+def _unreduced_param(rank, world):
+    """A parameter frozen when DDP was built and unfrozen after: DDP never reduces its gradient,
+    so after the hook's all-reduce the ranks do NOT hold identical gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", half_dtype=torch.bfloat16)
+    model[1].weight.requires_grad_(False)
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt)
+    model[1].weight.requires_grad_(True)
+    skipped = []
+    for step in range(3):
+        x = torch.ones(2, 4)
+        loss = ddp(x).float().sum()
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if step == 1 and rank == 1:
+            model[1].weight.grad[0, 0] = float("inf")  # only rank 1 sees it: never reduced
+        opt.step()
+        opt.zero_grad()
+        skipped.append(distamp.stats(opt).last_step_skipped)
+    return {
+        "skipped": skipped,
+        "scale": distamp.stats(opt).loss_scales[0],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_a_parameter_ddp_does_not_reduce_still_gets_the_global_decision():
+    results = run_ranks(_unreduced_param, 2, timeout=120)
+    for r in results:
+        assert r["skipped"] == [False, True, False]
+        assert r["scale"] == 2.0**15
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)

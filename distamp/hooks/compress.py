@@ -40,7 +40,7 @@ class CompressState:
     wire_dtype: torch.dtype | None = None
     """dtype on the wire; None: the hook's own (fp16 or bf16). FP32 turns compression off."""
     buckets_reduced: int = 0
-    """Buckets all-reduced since the loss scaler last looked (reset at each optimizer step)."""
+    """Buckets all-reduced since the hook was registered."""
     bytes_on_wire: int = 0
     """Bytes handed to the process group since the hook was registered."""
     wire_dtypes_seen: set[torch.dtype] = field(default_factory=set)

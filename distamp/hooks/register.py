@@ -30,11 +30,6 @@ def register(
     BF16 model's gradients as FP16 (3 more mantissa bits under loss scaling). If the process group
     cannot reduce that dtype, falls back to FP32 with one warning.
 
-    [Note: the hook makes the overflow check local] After the hook's all-reduce every rank holds
-    the same gradients, so a non-finite value anywhere is non-finite everywhere and each rank's
-    local check gives the global answer: the scaler skips its MAX all-reduce for steps whose
-    gradients went through the hook (one optimizer, one loss; otherwise it keeps the collective).
-
     A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
     buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
     """
@@ -74,9 +69,6 @@ def register(
     state = CompressState(process_group=group, wire_dtype=wire)
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
     ddp_model.register_comm_hook(state, hook)
-    model_params = {id(p) for p in ddp_model.parameters()}
-    if all(id(p) in model_params for p in st.masters.model_params):
-        st.reducing_hooks.append(state)
     return state
 
 

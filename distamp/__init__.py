@@ -6,7 +6,7 @@ with distamp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()                                                    # skipped on every rank together
 """
 
-from . import amp, checkpoint, debug, hooks
+from . import amp, checkpoint, debug, doctor, fsdp, hooks
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Properties
 from .forensics import NonFiniteGradientError, NonFiniteReport
@@ -36,8 +36,10 @@ __all__ = [
     "amp",
     "autocast_exclude",
     "checkpoint",
-    "debug",
     "clip_grad_norm_",
+    "debug",
+    "doctor",
+    "fsdp",
     "hooks",
     "latest_checkpoint",
     "load_checkpoint",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .config import HALF_DTYPES, Properties
+from .config import Properties
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """torch's normalization classes (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."""
@@ -113,24 +113,33 @@ class AmpModule(nn.Module):
 
 
 class FP32NormModule(nn.Module):
-    """Mixin for normalization layers kept FP32 in a half model: inputs up, outputs back down."""
+    """Mixin for modules kept FP32 in a half model: inputs up, autocast off, outputs back down.
+
+    Outputs go back to the dtype of the first floating-point input; a module that takes none (an
+    embedding, a rotary table indexed by positions) returns ``_distamp_output_dtype``, the model's
+    half dtype under O2/O3 (None under O0/O1: its outputs stay FP32 and autocast handles them).
+    """
+
+    _distamp_output_dtype: ClassVar[torch.dtype | None] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        incoming = _first_floating_dtype(args)
+        first = _first_floating(args, kwargs)
+        incoming = first.dtype if first is not None else type(self)._distamp_output_dtype
         args = cast_floating(args, torch.float32)
         kwargs = cast_floating(kwargs, torch.float32)
-        # Autocast (when the user runs one around a half model) would cast the norm back down.
-        with torch.autocast(device_type_of(self, recurse=False), enabled=False):
+        device = first.device.type if first is not None else device_type_of(self)
+        # Autocast (when the user runs one around a half model) would cast the module back down.
+        with torch.autocast(device, enabled=False):
             output = super().forward(*args, **kwargs)
         if incoming is not None and incoming != torch.float32:
             output = cast_floating(output, incoming)
         return output
 
 
-def _first_floating_dtype(args: tuple[Any, ...]) -> torch.dtype | None:
-    for arg in args:
+def _first_floating(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for arg in (*args, *kwargs.values()):
         if isinstance(arg, torch.Tensor) and arg.is_floating_point():
-            return arg.dtype
+            return arg
     return None
 
 
@@ -207,58 +216,180 @@ def resolve_fp32_modules(models: list[nn.Module], keep: Any) -> tuple[list[nn.Mo
     return [m for k, m in chosen.items() if k not in nested], inside
 
 
-def keep_fp32(module: nn.Module) -> None:
-    """Give ``module`` the FP32 forward: inputs cast up, autocast off inside, outputs cast back."""
-    if not isinstance(module, FP32NormModule):
-        module.__class__ = _subclass(type(module), FP32NormModule, {})
-
-
-def cast_model(
-    model: nn.Module,
-    props: Properties,
-    device_type: str,
-    fp32_modules: tuple[list[nn.Module], set[int]] = ([], set()),
+def keep_fp32(
+    module: nn.Module,
+    output_dtype: torch.dtype | None = None,
+    classes: dict[tuple[type, torch.dtype | None], type] | None = None,
 ) -> None:
-    """Cast ``model`` in place for ``props`` and give it the autocast/cast ``forward``.
+    """Give ``module`` the FP32 forward (:class:`FP32NormModule`); ``classes`` reuses one
+    generated class per (class, output dtype) within one wrap call."""
+    if isinstance(module, FP32NormModule):
+        return
+    cache = classes if classes is not None else {}
+    key = (type(module), output_dtype)
+    if key not in cache:
+        cache[key] = _subclass(
+            type(module), FP32NormModule, {"_distamp_output_dtype": output_dtype}
+        )
+    module.__class__ = cache[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPlan:
+    """Which tensors of the wrapped models are cast to the half dtype and which modules run in FP32.
+
+    [Note: one precision decision per tensor] Decided once, per parameter and per buffer (not per
+    module), before anything is cast; ``cast_model`` and the FP32 masters both read this plan. A
+    tensor shared by several modules (a tied embedding and LM head) gets one answer: FP32 as soon
+    as one of its modules is kept FP32, and every module holding it then runs in FP32 too (a half
+    module would otherwise receive an FP32 weight and fail in its forward).
+
+    Under O2 (``keep_batchnorm_fp32``) these stay FP32: ``keep_fp32_modules``; normalization
+    layers (see [Note: recognizing norm layers]) with their parameters and statistics; and the
+    floating buffers of modules that hold no parameters at all, such as rotary-embedding tables
+    (``inv_freq``, cos/sin caches) and sinusoidal position tables. Such tables are derived
+    constants whose precision matters (RoPE's ``inv_freq`` in bf16 rotates by up to 0.18 rad wrong
+    at distance 1024); keeping them FP32 is what FSDP2 and Hugging Face's ``from_pretrained(dtype=
+    ...)`` do. Their module runs in FP32 and returns the incoming dtype, so the half layers around
+    it see half tensors. Buffers of modules that hold parameters are cast with them (apex's
+    behaviour: masks such as Swin's ``attn_mask`` meet half activations there); ``wrap`` warns
+    when such a cast changed a buffer's values. O3 (``keep_batchnorm_fp32=False``) casts
+    everything.
+    """
+
+    half_dtype: torch.dtype | None
+    """The dtype the cast tensors take; None when nothing is cast (O0/O1)."""
+    cast_params: frozenset[int]
+    """ids of the parameters cast to ``half_dtype``."""
+    cast_buffers: frozenset[int]
+    """ids of the floating-point buffers cast to ``half_dtype``."""
+    fp32_modules: tuple[nn.Module, ...]
+    """The outermost modules whose forward runs in FP32."""
+    shared: tuple[tuple[str, str, str], ...] = ()
+    """(parameter, FP32 module, module made FP32 because it shares that parameter)."""
+
+
+def _is_buffer_holder(module: nn.Module) -> bool:
+    """A module with floating buffers and no parameters anywhere below it (a rotary table)."""
+    if any(True for _ in module.parameters()):
+        return False
+    return any(b.is_floating_point() for b in module.buffers())
+
+
+def plan_precision(
+    models: list[nn.Module],
+    props: Properties,
+    fp32_modules: tuple[list[nn.Module], set[int]] = ([], set()),
+) -> PrecisionPlan:
+    """The :class:`PrecisionPlan` of ``models`` at ``props``; see [Note: one precision decision
+    per tensor]. ``fp32_modules`` is :func:`resolve_fp32_modules`'s result."""
+    keep_top, _ = fp32_modules
+    chosen: dict[int, nn.Module] = {id(m): m for m in keep_top}
+    target = props.cast_model_type if props.model_is_cast else None
+    if target is None:
+        return PrecisionPlan(
+            half_dtype=None,
+            cast_params=frozenset(),
+            cast_buffers=frozenset(),
+            fp32_modules=tuple(chosen.values()),
+        )
+    names = {
+        id(m): (n if len(models) == 1 else f"models[{i}].{n}") or "<model>"
+        for i, model in enumerate(models)
+        for n, m in model.named_modules()
+    }
+    inside: set[int] = {id(s) for m in chosen.values() for s in m.modules()}
+
+    def keep(module: nn.Module) -> None:
+        chosen[id(module)] = module
+        inside.update(id(s) for s in module.modules())
+
+    all_modules = [m for model in models for m in model.modules()]
+    if props.keep_batchnorm_fp32:
+        for module in all_modules:  # pre-order: an outer match covers its subtree
+            if id(module) not in inside and (is_norm(module) or _is_buffer_holder(module)):
+                keep(module)
+    owners: dict[int, list[nn.Module]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for module in all_modules:
+        for p in module._parameters.values():
+            if p is not None and p.is_floating_point():
+                owners.setdefault(id(p), []).append(module)
+                params[id(p)] = p
+    param_names = {
+        id(p): n for model in models for n, p in model.named_parameters(remove_duplicate=False)
+    }
+    shared: list[tuple[str, str, str]] = []
+    for pid, mods in owners.items():
+        kept_by = next((m for m in mods if id(m) in inside), None)
+        if kept_by is None:
+            continue
+        for module in mods:
+            if id(module) in inside:
+                continue
+            if any(True for c in module.children() for _ in c.parameters()):
+                raise ValueError(
+                    f"parameter {param_names.get(pid, '?')!r} is shared by "
+                    f"{names.get(id(kept_by), '?')!r}, which is kept FP32, and "
+                    f"{names.get(id(module), '?')!r}, which holds half-precision submodules: "
+                    "expected one precision per parameter; list "
+                    f"{names.get(id(module), '?')!r} in keep_fp32_modules too, or untie them"
+                )
+            keep(module)
+            shared.append(
+                (param_names.get(pid, "?"), names.get(id(kept_by), "?"), names.get(id(module), "?"))
+            )
+    fp32_params = {pid for pid, mods in owners.items() if any(id(m) in inside for m in mods)}
+    buffer_owners: dict[int, list[nn.Module]] = {}
+    for module in all_modules:
+        for b in module._buffers.values():
+            if b is not None and b.is_floating_point():
+                buffer_owners.setdefault(id(b), []).append(module)
+    return PrecisionPlan(
+        half_dtype=target,
+        cast_params=frozenset(pid for pid in owners if pid not in fp32_params),
+        cast_buffers=frozenset(
+            bid for bid, mods in buffer_owners.items() if not any(id(m) in inside for m in mods)
+        ),
+        fp32_modules=tuple(chosen.values()),
+        shared=tuple(shared),
+    )
+
+
+def cast_model(model: nn.Module, props: Properties, device_type: str, plan: PrecisionPlan) -> None:
+    """Cast ``model`` in place as ``plan`` says and give it the autocast/cast ``forward``.
 
     Parameters keep their identity (only ``.data`` changes), so references held elsewhere stay
-    valid; FP32 master copies must be taken before this is called. ``fp32_modules``
-    (:func:`resolve_fp32_modules`) stay FP32, with autocast off inside them.
+    valid; FP32 master copies must be taken before this is called. The plan's FP32 modules that
+    belong to ``model`` get the FP32 forward.
     """
-    keep_top, keep_all = fp32_modules
-    for module in keep_top:
-        keep_fp32(module)
-    target = props.cast_model_type
-    if target in HALF_DTYPES:
-        assert target is not None
-        norm_classes: dict[type, type] = {}
-        for module in model.modules():
-            if id(module) in keep_all:
-                continue
-            if props.keep_batchnorm_fp32 and is_norm(module):
-                cls = type(module)
-                if cls not in norm_classes:
-                    norm_classes[cls] = _subclass(cls, FP32NormModule, {})
-                module.__class__ = norm_classes[cls]
-                continue
-            _cast_own_tensors(module, target)
+    classes: dict[tuple[type, torch.dtype | None], type] = {}
+    mine = {id(m) for m in model.modules()}
+    for module in plan.fp32_modules:
+        if id(module) in mine:
+            keep_fp32(module, plan.half_dtype, classes)
+    if plan.half_dtype is not None:
+        cast: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for module in model.modules():
+                for param in module._parameters.values():
+                    if param is None or id(param) not in plan.cast_params:
+                        continue
+                    if param.dtype != plan.half_dtype:
+                        param.data = param.data.to(plan.half_dtype)
+                        if param.grad is not None:
+                            param.grad = param.grad.to(plan.half_dtype)
+                for name, buffer in module._buffers.items():
+                    if buffer is None or id(buffer) not in plan.cast_buffers:
+                        continue
+                    if id(buffer) not in cast:
+                        cast[id(buffer)] = buffer.to(plan.half_dtype)
+                    module._buffers[name] = cast[id(buffer)]
     model.__class__ = _subclass(
         type(model),
         AmpModule,
         {"_distamp_policy": cast_policy(props, device_type), "_distamp_properties": props},
     )
-
-
-def _cast_own_tensors(module: nn.Module, dtype: torch.dtype) -> None:
-    with torch.no_grad():
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)
-                if param.grad is not None:
-                    param.grad = param.grad.to(dtype)
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer.is_floating_point():
-                setattr(module, name, buffer.to(dtype))
 
 
 def is_wrapped(model: nn.Module) -> bool:

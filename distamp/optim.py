@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from .config import HALF_DTYPES
 from .forensics import NonFiniteReport
 from .nonfinite import check_and_unscale_, nonfinite_flag
 
@@ -60,9 +61,10 @@ class MasterWeights(Protocol):
     def master_bytes(self) -> int: ...
     def master_tensors(self) -> list[torch.Tensor]: ...
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
-    def load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
-    ) -> None: ...
+    def expose_unscaled(self, inv_scale: float) -> None: ...
+    def take_modified_model_grads(self) -> None: ...
+    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]: ...
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
 
 
 class ModelGrads:
@@ -100,6 +102,59 @@ class ModelGrads:
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
         return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
 
+    # -- the model's gradients after unscale_ (torch.amp's clipping habit) -------------------------
+
+    def separate_params(self) -> list[nn.Parameter]:
+        """Model parameters whose gradient is copied into a separate FP32 master gradient."""
+        return []
+
+    def expose_unscaled(self, inv_scale: float) -> None:
+        """After a public ``unscale_``: the model's half gradients hold unscaled values too.
+
+        [Note: unscale_ then torch's clip_grad_norm_] torch.amp's habit is ``scaler.unscale_(opt);
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); scaler.step(opt)``. Under O2 the
+        optimizer steps FP32 master gradients, so clipping the model's ``.grad`` would do nothing
+        and measure a norm ``scale`` times too large. So ``unscale_`` unscales the model's half
+        gradients as well (a power-of-two multiply: exact in BF16; in FP16 values below its range
+        flush towards zero, as they would in torch.amp), records each one's version counter, and
+        ``step()`` (and ``distamp.clip_grad_norm_``) re-reads the master gradient of every
+        parameter whose ``.grad`` was modified, replaced or removed since. Untouched gradients keep
+        their exact FP32 master values. ``step()`` without ``unscale_`` never pays for this.
+        """
+        params = [p for p in self.separate_params() if p.grad is not None]
+        with torch.no_grad():
+            dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+            if dense and inv_scale != 1.0:
+                torch._foreach_mul_(dense, inv_scale)
+            for p in params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad.mul_(inv_scale)
+        self.exposed = {id(p): _grad_version(p) for p in self.separate_params()}
+
+    def take_modified_model_grads(self) -> None:
+        """See [Note: unscale_ then torch's clip_grad_norm_]: re-read modified model gradients."""
+        exposed = getattr(self, "exposed", None)
+        if not exposed:
+            return
+        self.exposed = {}
+        changed = [p for p in self.separate_params() if exposed.get(id(p)) != _grad_version(p)]
+        if changed:
+            self.reload_master_grads(changed)
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        """Master gradients of ``params`` from their (already unscaled) model gradients."""
+        raise NotImplementedError
+
+    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps for a new param group of model ``params``."""
+        raise ValueError(
+            "optimizer.add_param_group: expected an optimizer wrapped by distamp.wrap; this one "
+            f"keeps its masters in {type(self).__name__}, which cannot add parameters after wrap"
+        )
+
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """A value loaded into ``param`` (``load_state_dict``) reaches its FP32 master, if any."""
+
     def _device(self) -> torch.device:
         for param in self.model_params:
             return param.device
@@ -122,7 +177,9 @@ class MasterParams(ModelGrads):
         self.separate = [m is not p for p, m in zip(model_params, masters, strict=True)]
 
     @classmethod
-    def take(cls, optimizer: torch.optim.Optimizer, cast_ids: set[int]) -> MasterParams:
+    def take(
+        cls, optimizer: torch.optim.Optimizer, cast_ids: set[int] | frozenset[int]
+    ) -> MasterParams:
         """Replace the params in ``optimizer.param_groups`` that will be cast by FP32 copies.
 
         Must run before the model is cast, so the masters hold the exact FP32 values.
@@ -132,9 +189,11 @@ class MasterParams(ModelGrads):
         for group in optimizer.param_groups:
             new_params = []
             for param in group["params"]:
-                if id(param) in cast_ids and param.requires_grad:  # frozen ones are never stepped
+                # Frozen parameters in the optimizer get masters too: unfrozen later, they train
+                # from exact FP32 values (grad None means never stepped, as in torch).
+                if id(param) in cast_ids:
                     master = param.detach().clone(memory_format=torch.preserve_format)
-                    master.requires_grad_(param.requires_grad)
+                    master.requires_grad_(True)
                     if param in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(param)
                 else:
@@ -187,17 +246,39 @@ class MasterParams(ModelGrads):
         """The tensors a state dict saves as masters (the separate FP32 copies)."""
         return [m for m, s in zip(self.masters, self.separate, strict=True) if s]
 
-    def load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
-    ) -> None:
-        """Take weights loaded into the model into the masters (FP32 values stay unrounded)."""
-        with torch.no_grad():
-            for param, master, separate in zip(*self.columns(), strict=True):
-                if not separate:
-                    continue
-                value = state_dict.get(prefix + names.get(id(param), ""))
-                if isinstance(value, torch.Tensor) and value.shape == master.shape:
-                    master.copy_(value)
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """See [Note: loading weights into the masters]."""
+        index = self._index().get(id(param))
+        if index is not None and self.separate[index]:
+            master = self.masters[index]
+            with torch.no_grad():
+                master.copy_(merge_loaded(master, value.to(master.device), param.dtype))
+
+    def _index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(self.model_params)}
+
+    def separate_params(self) -> list[nn.Parameter]:
+        return [p for p, s in zip(self.model_params, self.separate, strict=True) if s]
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        index = self._index()
+        for param in params:
+            master = self.masters[index[id(param)]]
+            master.grad = None if param.grad is None else param.grad.detach().to(torch.float32)
+
+    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Masters for a param group added after wrap: FP32 copies of the half parameters."""
+        out: list[torch.Tensor] = []
+        for param in params:
+            master: torch.Tensor = param
+            if param.dtype in HALF_DTYPES:
+                master = param.detach().to(torch.float32)
+                master.requires_grad_(True)
+            self.model_params.append(param)
+            self.masters.append(master)
+            self.separate.append(master is not param)
+            out.append(master)
+        return out
 
     def copy_to_model(self) -> None:
         """Refresh the half model weights from the masters after a step."""
@@ -302,6 +383,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             st.grad_scale = 1.0
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
+        st.masters.take_modified_model_grads()
         assert st.overflow is not None
         st.steps += 1
         st.last_step_skipped = st.overflow
@@ -319,6 +401,43 @@ class AmpOptimizer(torch.optim.Optimizer):
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
     # inner class's step, which is hooked already). Mark it as hooked so torch leaves it alone.
     step.hooked = True  # type: ignore[attr-defined]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add model parameters after wrap (apex supported it): they get FP32 masters, are unscaled
+        and checked for inf/NaN like the others. Call it on every rank (with sharded masters the new
+        group is laid out and sharded like the first ones)."""
+        st: AmpOptimizerState | None = self.__dict__.get("_distamp")
+        if st is None:  # torch's own constructor, before wrap
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set) or params is None:
+            raise TypeError(
+                "optimizer.add_param_group: expected param_group['params'] to be a tensor or a "
+                f"list of tensors (ordered, the same on every rank), got {type(params).__name__}"
+            )
+        params = list(params)
+        if st.state is not OptState.READY:
+            raise RuntimeError(
+                "optimizer.add_param_group: gradients are pending from scale_loss (state "
+                f"{st.state.value}); expected it between optimizer.step() and the next backward"
+            )
+        st.group.check_new_params(params, st)
+        rounded = [st.group.param_names[id(p)] for p in params if p.dtype in HALF_DTYPES]
+        if rounded:
+            warnings.warn(
+                f"optimizer.add_param_group: the FP32 masters of {rounded[:3]}"
+                f"{' and more' if len(rounded) > 3 else ''} start from their half weights: wrap "
+                "cast them before they were in an optimizer. To keep them exact, hand them to the "
+                "optimizer before wrap (frozen parameters are fine: they get masters and are "
+                "stepped once they have gradients)",
+                stacklevel=2,
+            )
+        super().add_param_group({**param_group, "params": st.masters.add_group(params)})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the *model's* gradients (the param_groups hold the masters) and master grads."""
@@ -383,6 +502,66 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.steps = int(extra["steps"])
         st.skipped_steps = int(extra["skipped_steps"])
         st.masters.copy_to_model()
+
+
+def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:
+    """Identity and version counter of ``param.grad`` (None when it has none)."""
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)
+
+
+def merge_loaded(master: torch.Tensor, value: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """The master after ``value`` was loaded into its half parameter.
+
+    [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
+    pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters
+    unrounded, or the next step writes the old weights back. But a state dict of this very model
+    holds only the half weights (or apex's FP32 copies of them), and loading it after the optimizer
+    (``optimizer.load_state_dict`` first, then ``model.load_state_dict``) must not round the exact
+    masters the optimizer just restored. So, element by element: a loaded value that equals the
+    master rounded to the half dtype is this model's own weight coming back and keeps the master;
+    any other value is new and replaces it exactly.
+    """
+    value = value.detach().reshape(master.shape)
+    own_weight = value == master.to(half).to(value.dtype)
+    return torch.where(own_weight, master, value.to(master.dtype))
+
+
+def unscale_now(st: AmpOptimizerState) -> None:
+    """Collective: unscale ``st``'s pending gradients, take the skip decision, and leave the model's
+    gradients unscaled too (see [Note: unscale_ then torch's clip_grad_norm_])."""
+    assert st.grad_scale is not None
+    inv_scale = 1.0 / st.grad_scale
+    st.group.unscale_and_decide(st)
+    st.masters.expose_unscaled(inv_scale)
+
+
+def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
+    """``obj`` itself if it is an optimizer; the optimizer inside an optimizer wrapper such as
+    apex's LARC (its ``optim`` attribute); else None."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj
+    inner = getattr(obj, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+class AmpOptimizerWrapper:
+    """Mixin placed in front of an optimizer wrapper's class (apex's LARC pattern).
+
+    [Note: optimizer wrappers] A wrapper such as LARC reads and rescales the gradients of its inner
+    optimizer's ``param_groups`` in its own ``step`` and then calls the inner ``step``. Handed to
+    ``wrap`` (apex's order), the inner optimizer is wrapped and the wrapper's ``step`` first
+    unscales the pending gradients (and takes the skip decision), so what it reads is the true
+    FP32 gradient the optimizer steps. The wrapper keeps its identity.
+    """
+
+    optim: torch.optim.Optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        st = getattr(self.optim, "_distamp", None)
+        if st is not None and st.state is OptState.SCALED:
+            unscale_now(st)
+        return super().step(*args, **kwargs)  # type: ignore[misc]
 
 
 def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:

@@ -225,6 +225,34 @@ class ScalerGroup:
                 return name
         return None
 
+    def check_new_params(self, params: list[Any], st: AmpOptimizerState) -> None:
+        """Refuse parameters for ``add_param_group`` that wrap would have refused."""
+        held = {
+            id(p): i for i, other in enumerate(self.optimizers) for p in other.masters.model_params
+        }
+        where = "optimizer.add_param_group"
+        for k, param in enumerate(params):
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(
+                    f"{where}: params[{k}]: expected a tensor, got {type(param).__name__}"
+                )
+            name = self.param_names.get(id(param))
+            if name is None:
+                raise ValueError(
+                    f"{where}: params[{k}] (shape {tuple(param.shape)}, dtype {param.dtype}) is "
+                    "not a parameter of the model(s) passed to distamp.wrap: expected parameters "
+                    "of the wrapped model(s)"
+                )
+            if id(param) in held:
+                owner = self.optimizers[held[id(param)]]
+                which = "this optimizer" if owner is st else f"optimizers[{held[id(param)]}]"
+                raise ValueError(
+                    f"{where}: parameter {name!r} is already held by {which}: expected each "
+                    "parameter in one param group of one optimizer"
+                )
+            if any(other is param for other in params[:k]):
+                raise ValueError(f"{where}: parameter {name!r} appears twice in the new group")
+
     @property
     def attribute_per_backward(self) -> bool:
         """Several optimizers or losses: attribute non-finite values to blocks as they appear."""

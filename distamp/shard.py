@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce_
+from .config import HALF_DTYPES
 from .nonfinite import check_and_unscale_, nonfinite_flag
-from .optim import ModelGrads
+from .optim import ModelGrads, merge_loaded
 
 CHUNK = 1 << 18
 """Largest slice of a shard the inner optimizer steps as one tensor; see [Note: chunked shards]."""
@@ -79,8 +80,26 @@ class _Group:
             a, b = max(r.start, self.lo), min(r.start + r.numel, self.hi)
             if a < b:
                 self.pieces.append((r.index, a - r.start, b - a, a - self.lo))
+        # [Note: chunked shards] The inner optimizer steps the shard as slices that share its
+        # storage, each inside one parameter and at most CHUNK elements long. Inside one
+        # parameter: a parameter without a gradient is skipped by torch's optimizers (no weight
+        # decay, no momentum), and so must every slice of it be; and each slice keeps its own
+        # scalar state (Adam's and Adagrad's ``step``), which then counts that parameter's steps,
+        # as with replicated masters — sharded equals replicated bit for bit. At most CHUNK long:
+        # element-wise optimizers make several passes per tensor, and a slice that stays in cache
+        # runs them 2-3x faster on CPU than one flat tensor (AdamW on 10M values: 23 ms vs 63 ms).
+        # The padding at the end of the last shard belongs to no slice and is never stepped.
+        self.spans: list[tuple[int, int, int]] = []
+        """(param index, first, last + 1 element in the shard) of each slice, in shard order."""
+        for index, _, count, dst in self.pieces:
+            for a in range(dst, dst + count, CHUNK):
+                self.spans.append((index, a, min(a + CHUNK, dst + count)))
         self.flat_half: torch.Tensor | None = None
         self.send: torch.Tensor | None = None
+
+    def param_offset(self, index: int, shard_pos: int) -> int:
+        """The element of parameter ``index`` at position ``shard_pos`` of this rank's shard."""
+        return self.lo + shard_pos - self.ranges[index].start
 
 
 class ShardedMasterParams(ModelGrads):
@@ -90,93 +109,101 @@ class ShardedMasterParams(ModelGrads):
 
     def __init__(
         self,
-        groups: list[_Group],
-        shards: list[torch.Tensor],
-        chunks: list[list[torch.Tensor]],
         replicated: list[nn.Parameter],
         process_group: dist.ProcessGroup | None,
     ) -> None:
-        self.groups = groups
-        self.shards = shards
+        self.groups: list[_Group] = []
+        self.shards: list[torch.Tensor] = []
         """Per group, this rank's flat FP32 masters (the chunks share their storage)."""
-        self.chunks = chunks
+        self.chunks: list[list[torch.Tensor]] = []
         """Per group, the leaf tensors the inner optimizer steps: slices of the shard."""
-        self.shard_grads: list[torch.Tensor | None] = [None] * len(shards)
+        self.shard_grads: list[torch.Tensor | None] = []
         self.replicated = replicated
         self.process_group = process_group
-        self.model_params: list[nn.Parameter] = [p for g in groups for p in g.params] + replicated
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
+        self.model_params: list[nn.Parameter] = list(replicated)
 
     @classmethod
     def take(
         cls,
         optimizer: torch.optim.Optimizer,
-        cast_ids: set[int],
+        cast_ids: set[int] | frozenset[int],
         process_group: dist.ProcessGroup | None,
     ) -> ShardedMasterParams:
         """Replace each group's cast parameters by this rank's flat FP32 shard of them.
 
-        Must run before the model is cast, so the masters hold the exact FP32 values.
+        Must run before the model is cast, so the masters hold the exact FP32 values. Frozen
+        parameters are sharded too (see ``MasterParams.take``); optimizer state that exists
+        already (Adagrad creates its sums in its constructor) is cut into the slices.
         """
-        world = dist.get_world_size(process_group) if process_group is not None else 1
-        rank = dist.get_rank(process_group) if process_group is not None else 0
-        groups: list[_Group] = []
-        shards: list[torch.Tensor] = []
-        all_chunks: list[list[torch.Tensor]] = []
-        replicated: list[nn.Parameter] = []
-        for g, param_group in enumerate(optimizer.param_groups):
-            sharded = [p for p in param_group["params"] if id(p) in cast_ids and p.requires_grad]
-            kept = [p for p in param_group["params"] if not (id(p) in cast_ids and p.requires_grad)]
-            layout = _Group(sharded, g, world, rank)
-            shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
-            with torch.no_grad():
-                for index, src, count, dst in layout.pieces:
-                    shard[dst : dst + count].copy_(
-                        sharded[index].detach().reshape(-1)[src : src + count]
-                    )
-            # [Note: chunked shards] The inner optimizer steps the shard as slices of at most
-            # CHUNK elements that share its storage: element-wise optimizers make several passes
-            # per tensor, and a slice that stays in cache runs them 2-3x faster on CPU than one
-            # flat tensor (AdamW on 10M values: 23 ms vs 63 ms).
-            chunks = (
-                [
-                    shard[a : a + CHUNK].detach().requires_grad_(True)
-                    for a in range(0, shard.numel(), CHUNK)
-                ]
-                if sharded
-                else []
-            )
-            state = _shard_state([optimizer.state.pop(p, {}) for p in sharded], layout, shard)
-            for a, chunk in zip(range(0, shard.numel(), CHUNK), chunks, strict=True):
-                if state:
-                    optimizer.state[chunk] = {
-                        k: v[a : a + chunk.numel()].clone()
-                        if isinstance(v, torch.Tensor) and v.shape == shard.shape
-                        else v
-                        for k, v in state.items()
-                    }
-            groups.append(layout)
-            shards.append(shard)
-            all_chunks.append(chunks)
-            replicated += kept
+        out = cls([], process_group)
+        for param_group in optimizer.param_groups:
+            params = list(param_group["params"])
+            sharded = [p for p in params if id(p) in cast_ids]
+            kept = [p for p in params if id(p) not in cast_ids]
+            states = [optimizer.state.pop(p, {}) for p in sharded]
+            chunks = out._new_group(sharded, states, optimizer)
+            out.replicated += kept
             param_group["params"] = [*chunks, *kept]
-        return cls(groups, shards, all_chunks, replicated, process_group)
+        out.model_params = [p for g in out.groups for p in g.params] + out.replicated
+        return out
+
+    def _new_group(
+        self,
+        sharded: list[nn.Parameter],
+        states: list[dict[str, Any]],
+        optimizer: torch.optim.Optimizer | None,
+    ) -> list[torch.Tensor]:
+        """Lay ``sharded`` out as a new group; this rank's shard, its slices and their state."""
+        g = len(self.groups)
+        layout = _Group(sharded, g, self.world, self.rank)
+        shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
+        with torch.no_grad():
+            for index, src, count, dst in layout.pieces:
+                shard[dst : dst + count].copy_(
+                    sharded[index].detach().reshape(-1)[src : src + count]
+                )
+        chunks = [shard[a:b].detach().requires_grad_(True) for _, a, b in layout.spans]
+        for (index, a, b), chunk in zip(layout.spans, chunks, strict=True):
+            if optimizer is not None and states[index]:
+                optimizer.state[chunk] = _slice_state(
+                    states[index], sharded[index], layout.param_offset(index, a), b - a, g
+                )
+        self.groups.append(layout)
+        self.shards.append(shard)
+        self.chunks.append(chunks)
+        self.shard_grads.append(None)
+        return chunks
 
     def after_cast(self) -> None:
         """Lay each group's half parameters out as views into one flat buffer (the gather target)."""
         for layout in self.groups:
-            if not layout.params:
-                continue
-            dtype = layout.params[0].dtype
-            flat = torch.zeros(layout.padded, dtype=dtype, device=layout.params[0].device)
-            with torch.no_grad():
-                for r, p in zip(layout.ranges, layout.params, strict=True):
-                    view = flat[r.start : r.start + r.numel].view(r.shape)
-                    view.copy_(p.data)
-                    p.data = view
-            layout.flat_half = flat
-            layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
+            self._lay_out(layout)
+
+    def _lay_out(self, layout: _Group) -> None:
+        if not layout.params or layout.flat_half is not None:
+            return
+        dtype = layout.params[0].dtype
+        flat = torch.zeros(layout.padded, dtype=dtype, device=layout.params[0].device)
+        with torch.no_grad():
+            for r, p in zip(layout.ranges, layout.params, strict=True):
+                view = flat[r.start : r.start + r.numel].view(r.shape)
+                view.copy_(p.data)
+                p.data = view
+        layout.flat_half = flat
+        layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
+
+    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """A param group added after wrap: its half parameters become a new sharded group (FP32
+        masters from their half values), the others are stepped whole on every rank."""
+        sharded = [p for p in params if p.dtype in HALF_DTYPES]
+        kept = [p for p in params if p.dtype not in HALF_DTYPES]
+        chunks = self._new_group(sharded, [{} for _ in sharded], None)
+        self._lay_out(self.groups[-1])
+        self.replicated += kept
+        self.model_params = [p for g in self.groups for p in g.params] + self.replicated
+        return [*chunks, *kept]
 
     # -- what the step needs ---------------------------------------------------------------------
 
@@ -186,34 +213,60 @@ class ShardedMasterParams(ModelGrads):
         The flag covers every gradient this rank holds, not only its shard: a non-finite value
         written on one rank outside the range it owns must still skip the step everywhere (the
         skip decision reduces the flags with MAX, see [Note: one decision for all ranks]). That
-        costs one read-only pass over the local half gradients.
+        costs one read-only pass over the local half gradients. A slice whose parameter has no
+        gradient gets none (see [Note: chunked shards]).
         """
         grads: list[torch.Tensor] = []
-        for i, (layout, shard) in enumerate(zip(self.groups, self.shards, strict=True)):
-            if not layout.params:
-                continue
-            flat_grad = torch.zeros_like(shard)
-            for index, src, count, dst in layout.pieces:
-                grad = layout.params[index].grad
-                if grad is not None:
-                    flat_grad[dst : dst + count].copy_(grad.reshape(-1)[src : src + count])
-            for a, chunk in zip(range(0, shard.numel(), CHUNK), self.chunks[i], strict=True):
-                chunk.grad = flat_grad[a : a + chunk.numel()]
-            self.shard_grads[i] = flat_grad
-            grads.append(flat_grad)
+        for g, layout in enumerate(self.groups):
+            if layout.params:
+                grads.append(self._fill_shard_grad(g, layout.params))
         grads += [p.grad for p in self.replicated if p.grad is not None]
         flag = check_and_unscale_(grads, inv_scale, self._device())
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
 
+    def _fill_shard_grad(self, g: int, params: list[nn.Parameter]) -> torch.Tensor:
+        """Copy the gradients of ``params`` (of group ``g``) into the group's FP32 shard grad."""
+        layout = self.groups[g]
+        flat_grad = self.shard_grads[g]
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(self.shards[g])
+            self.shard_grads[g] = flat_grad
+        wanted = {id(p) for p in params}
+        with torch.no_grad():
+            for index, src, count, dst in layout.pieces:
+                param = layout.params[index]
+                if id(param) not in wanted:
+                    continue
+                grad = param.grad
+                if grad is None:
+                    flat_grad[dst : dst + count].zero_()
+                    continue
+                dense = grad.to_dense() if grad.is_sparse else grad
+                flat_grad[dst : dst + count].copy_(dense.reshape(-1)[src : src + count])
+        for (index, a, b), chunk in zip(layout.spans, self.chunks[g], strict=True):
+            param = layout.params[index]
+            if id(param) in wanted:
+                chunk.grad = None if param.grad is None else flat_grad[a:b]
+        return flat_grad
+
+    def separate_params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        for g, layout in enumerate(self.groups):
+            mine = [p for p in params if any(p is q for q in layout.params)]
+            if mine:
+                self._fill_shard_grad(g, mine)
+
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps (this rank's part)."""
-        grads = [g for g in self.shard_grads if g is not None]
+        grads = [c.grad for chunks in self.chunks for c in chunks if c.grad is not None]
         return grads + [p.grad for p in self.replicated if p.grad is not None]
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Collective: global norm over every rank's shard (replicated params counted once)."""
-        shard_grads = [g for g in self.shard_grads if g is not None]
+        shard_grads = [c.grad for chunks in self.chunks for c in chunks if c.grad is not None]
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         device = self._device()
         inf_norm = math.isinf(norm_type)
@@ -259,57 +312,48 @@ class ShardedMasterParams(ModelGrads):
         """The tensors a state dict saves as this rank's masters (the shards)."""
         return list(self.shards)
 
-    def load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, names: dict[int, str]
-    ) -> None:
-        """Take this rank's shard of weights loaded into the model (FP32 values stay unrounded)."""
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """This rank's piece of a value loaded into ``param``; see [Note: loading weights into
+        the masters]."""
+        flat_value = value.detach().reshape(-1)
         with torch.no_grad():
             for layout, shard in zip(self.groups, self.shards, strict=True):
                 for index, src, count, dst in layout.pieces:
-                    p = layout.params[index]
-                    value = state_dict.get(prefix + names.get(id(p), ""))
-                    if isinstance(value, torch.Tensor) and value.numel() == p.numel():
-                        shard[dst : dst + count].copy_(value.reshape(-1)[src : src + count])
+                    if layout.params[index] is not param:
+                        continue
+                    piece = shard[dst : dst + count]
+                    loaded = flat_value[src : src + count].to(shard.device)
+                    piece.copy_(merge_loaded(piece, loaded, param.dtype))
 
     def layout(self) -> list[list[ParamRange]]:
         """Per group, where each parameter lives in the flat buffer (what resharding needs)."""
         return [list(g.ranges) for g in self.groups]
 
 
-def _shard_state(
-    states: list[dict[str, Any]], layout: _Group, shard: torch.Tensor
+def _slice_state(
+    state: dict[str, Any], param: nn.Parameter, start: int, count: int, group: int
 ) -> dict[str, Any]:
-    """Merge per-parameter optimizer state that exists before wrap (Adagrad creates its sums in
-    its constructor) into the state of this rank's flat shard."""
-    if not any(states):
-        return {}
-    merged: dict[str, Any] = {}
-    for key in states[0]:
-        values: list[Any] = [st.get(key) for st in states]
-        first = values[0]
-        if all(
-            isinstance(v, torch.Tensor) and v.shape == p.shape
-            for v, p in zip(values, layout.params, strict=True)
-        ):
-            flat = torch.zeros_like(shard, dtype=first.dtype)
-            for index, src, count, dst in layout.pieces:
-                flat[dst : dst + count].copy_(values[index].reshape(-1)[src : src + count])
-            merged[key] = flat
-        elif all(_same_scalar(v, first) for v in values):
-            merged[key] = first.clone() if isinstance(first, torch.Tensor) else first
-        else:
+    """The part of one parameter's optimizer state that belongs to a slice of it.
+
+    Element-wise state (shaped like the parameter) is cut; scalar state (``step``) is copied, one
+    tensor per slice (a shared one would be advanced once per slice).
+    """
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
+            out[key] = value.detach().reshape(-1)[start : start + count].clone()
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = value.detach().clone()
+        elif isinstance(value, torch.Tensor):
             raise ValueError(
-                f"shard_master_weights: optimizer state {key!r} differs between parameters of "
-                f"param group {layout.ranges[0].group if layout.ranges else 0} and cannot be "
-                "sharded; wrap before the first step"
+                f"shard_master_weights: optimizer state {key!r} of a parameter of param group "
+                f"{group} has shape {tuple(value.shape)}, expected the parameter's shape "
+                f"{tuple(param.shape)} or a scalar: sharded masters need an element-wise "
+                "optimizer; wrap with shard_master_weights=False"
             )
-    return merged
-
-
-def _same_scalar(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.numel() == 1 and b.numel() == 1 and bool(a == b)
-    return a == b
+        else:
+            out[key] = value
+    return out
 
 
 def _device(params: Sequence[nn.Parameter]) -> torch.device:

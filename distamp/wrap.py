@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,16 +14,19 @@ import torch.distributed as dist
 from torch import nn
 
 from . import casting
-from .collectives import check_same_on_all_ranks
+from .collectives import broadcast_from_rank0_, check_same_on_all_ranks
 from .config import Properties, check_opt_level, resolve_properties
 from .forensics import NonFiniteReport
 from .optim import (
     AmpOptimizer,
     AmpOptimizerState,
+    AmpOptimizerWrapper,
     MasterParams,
     MasterWeights,
     OptState,
     amp_optimizer_class,
+    inner_optimizer,
+    unscale_now,
 )
 from .scaler import ScalerGroup
 from .shard import ShardedMasterParams
@@ -85,11 +88,8 @@ def wrap(
     under every opt_level, with autocast off inside and their inputs cast up and outputs back.
     """
     model_list, models_listed = _as_list(models, nn.Module, "models")
-    opt_list, opts_listed = (
-        ([], False)
-        if optimizers is None
-        else _as_list(optimizers, torch.optim.Optimizer, "optimizers")
-    )
+    given, opts_listed = ([], False) if optimizers is None else _as_optimizer_list(optimizers)
+    opt_list = [o for o in map(inner_optimizer, given) if o is not None]
     device_type = casting.device_type_of(model_list[0]) if model_list else "cpu"
     group = process_group
     if group is None and dist.is_available() and dist.is_initialized():
@@ -102,7 +102,7 @@ def wrap(
         )
         for opt in opt_list:
             setattr(opt, _DISABLED, props)
-        return _same_shape(model_list, models_listed, opt_list, opts_listed, optimizers is None)
+        return _same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
 
     props = resolve_properties(
         opt_level,
@@ -124,13 +124,22 @@ def wrap(
     )
     names = _check_models(model_list)
     _check_optimizers(opt_list, names)
+    wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
+    if wrappers and props.shard_master_weights:
+        raise ValueError(
+            f"distamp.wrap: {type(wrappers[0]).__name__} wraps an optimizer and reads per-"
+            "parameter gradients in its step, but sharded masters cut parameters into flat "
+            "slices; expected shard_master_weights=False with an optimizer wrapper"
+        )
     fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
+    plan = casting.plan_precision(model_list, props, fp32_modules)
     facts = _fingerprint(props, model_list, opt_list)
     facts.append(("keep_fp32_modules", str(sorted(_module_names(model_list, fp32_modules[0])))))
+    facts.append(("FP32 modules", str(sorted(_module_names(model_list, list(plan.fp32_modules))))))
     check_same_on_all_ranks("distamp.wrap", facts, group)
-    cast_ids = (
-        _params_to_cast(model_list, props, fp32_modules[1]) if props.master_weights else set()
-    )
+    broadcast_from_rank0_(_states_of(model_list), group)
+    _warn_about_plan(model_list, plan, props)
+    cast_ids = plan.cast_params if props.master_weights else frozenset()
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group)
         if props.shard_master_weights
@@ -138,18 +147,163 @@ def wrap(
         for opt in opt_list
     ]
     for model in model_list:
-        casting.cast_model(model, props, device_type, fp32_modules)
+        casting.cast_model(model, props, device_type, plan)
     for master in masters:
         master.after_cast()
-    if props.master_weights:
-        for model in model_list:
-            own = {id(p): n for n, p in model.named_parameters()}
-            model.register_load_state_dict_pre_hook(functools.partial(_load_masters, masters, own))
     scalers = ScalerGroup(props, group, names)
     scalers.models = [weakref.ref(m) for m in model_list]
+    _register_state_hooks(model_list, plan, scalers)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
-    return _same_shape(model_list, models_listed, opt_list, opts_listed, optimizers is None)
+    for wrapper in wrappers:
+        wrapper.__class__ = _wrapper_class(type(wrapper))
+    return _same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _as_optimizer_list(value: Any) -> tuple[list[Any], bool]:
+    """``optimizers`` as a list: torch optimizers, or wrappers of one (apex's LARC, see [Note:
+    optimizer wrappers])."""
+    listed = isinstance(value, (list, tuple))
+    items = list(value) if listed else [value]
+    if listed and not items:
+        raise ValueError(
+            "optimizers: expected at least one torch.optim.Optimizer, got an empty list"
+        )
+    for i, item in enumerate(items):
+        if inner_optimizer(item) is None:
+            where = f"optimizers[{i}]" if listed else "optimizers"
+            raise TypeError(
+                f"{where}: expected a torch.optim.Optimizer (or a wrapper of one with an `optim` "
+                f"attribute, like apex's LARC), got {type(item).__name__}"
+            )
+    inner = [inner_optimizer(i) for i in items]
+    if len({id(i) for i in inner}) != len(inner):
+        raise ValueError("optimizers: the same torch.optim.Optimizer appears more than once")
+    return items, listed
+
+
+def _wrapper_class(cls: type) -> type:
+    if issubclass(cls, AmpOptimizerWrapper):
+        return cls
+    return type(cls.__name__, (AmpOptimizerWrapper, cls), {"__module__": cls.__module__})
+
+
+def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``models`` once (tied ones once), in a fixed order."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor.data)
+    return out
+
+
+def _warn_about_plan(
+    models: list[nn.Module], plan: casting.PrecisionPlan, props: Properties
+) -> None:
+    """Warn once about what the plan decided that a user would not expect."""
+    for param, kept_by, module in plan.shared:
+        warnings.warn(
+            f"distamp.wrap: parameter {param!r} is shared by {kept_by!r}, which stays FP32, and "
+            f"{module!r}: one precision per parameter, so {module!r} runs in FP32 too",
+            stacklevel=3,
+        )
+    if plan.half_dtype is None or not props.keep_batchnorm_fp32:
+        return
+    lossy = [
+        (f"{prefix}{'.' if prefix else ''}{name}")
+        for i, model in enumerate(models)
+        for prefix, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None
+        and id(buf) in plan.cast_buffers
+        and not torch.equal(buf.to(plan.half_dtype).to(buf.dtype), buf)
+    ]
+    if lossy:
+        more = f" and {len(lossy) - 3} more" if len(lossy) > 3 else ""
+        warnings.warn(
+            f"distamp.wrap: buffer(s) {lossy[:3]}{more} lost precision when cast to "
+            f"{plan.half_dtype} with their module's parameters. If one is a derived table "
+            "(rotary inv_freq or cos/sin, position encodings), keep it FP32: hold it in a module "
+            "without parameters (distamp keeps those FP32, as Hugging Face's rotary embedding "
+            "does) or list its module in keep_fp32_modules",
+            stacklevel=3,
+        )
+
+
+class _LoadIntoMasters:
+    """``load_state_dict`` pre-hook of a module whose parameters have FP32 masters; see [Note:
+    loading weights into the masters]. Registered on every such module, so loading a submodule
+    (``model.blocks[0].load_state_dict(...)``) reaches the masters too."""
+
+    def __init__(self, scalers: ScalerGroup, cast: frozenset[int]) -> None:
+        self.scalers = weakref.ref(scalers)
+        self.cast = cast
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        scalers = self.scalers()
+        if scalers is None:
+            return
+        for name, param in module._parameters.items():
+            if param is None or id(param) not in self.cast:
+                continue
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                for st in scalers.optimizers:
+                    st.masters.load_value(param, value)
+
+
+class _HalfAsFP32StateDict:
+    """``state_dict`` post-hook of a module holding cast tensors: they are reported as FP32
+    (apex's O2 state-dict hook), so ``torch.save(model.state_dict())`` is a checkpoint a plain
+    FP32 model loads. ``keep_vars=True`` (the live tensors themselves) is left alone."""
+
+    def __init__(self, cast: frozenset[int]) -> None:
+        self.cast = cast
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or id(tensor) not in self.cast:
+                continue
+            value = state_dict.get(prefix + name)
+            if (
+                isinstance(value, torch.Tensor)
+                and value is not tensor
+                and value.dtype
+                in (
+                    torch.float16,
+                    torch.bfloat16,
+                )
+            ):
+                state_dict[prefix + name] = value.to(torch.float32)
+
+
+def _register_state_hooks(
+    models: list[nn.Module], plan: casting.PrecisionPlan, scalers: ScalerGroup
+) -> None:
+    if plan.half_dtype is None:
+        return
+    cast = plan.cast_params | plan.cast_buffers
+    load = _LoadIntoMasters(scalers, plan.cast_params) if scalers.props.master_weights else None
+    report = _HalfAsFP32StateDict(cast)
+    for model in models:
+        for module in model.modules():
+            own = [
+                t
+                for t in [*module._parameters.values(), *module._buffers.values()]
+                if t is not None
+            ]
+            if not any(id(t) in cast for t in own):
+                continue
+            module.register_state_dict_post_hook(report)
+            if load is not None and any(id(t) in plan.cast_params for t in own):
+                module.register_load_state_dict_pre_hook(load)
 
 
 def _as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
@@ -272,46 +426,6 @@ def _module_names(models: list[nn.Module], modules: list[nn.Module]) -> list[str
     ]
 
 
-def _params_to_cast(
-    models: list[nn.Module], props: Properties, fp32_module_ids: set[int] | None = None
-) -> set[int]:
-    """ids of the parameters that ``cast_model`` will cast to the half dtype."""
-    keep: set[int] = set()
-    for model in models:
-        for module in model.modules():
-            if id(module) in (fp32_module_ids or set()):
-                keep.update(id(p) for p in module.parameters(recurse=False))
-    if props.keep_batchnorm_fp32:
-        for model in models:
-            for module in model.modules():
-                if casting.is_norm(module):
-                    keep.update(id(p) for p in module.parameters(recurse=False))
-    return {
-        id(p)
-        for model in models
-        for p in model.parameters()
-        if p.is_floating_point() and id(p) not in keep
-    }
-
-
-def _load_masters(
-    masters: list[MasterWeights],
-    names: dict[int, str],
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    *args: Any,
-) -> None:
-    """``load_state_dict`` pre-hook of an O2 model: the FP32 masters take the loaded values.
-
-    Weights loaded into the half model after wrap (a pretrained FP32 checkpoint, say) must reach
-    the masters, or the first step would write the old weights back. Taken from the state dict
-    itself, so FP32 values arrive in the masters unrounded.
-    """
-    for master in masters:
-        master.load_from_state_dict(state_dict, prefix, names)
-
-
 def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:
     opt.__class__ = amp_optimizer_class(type(opt))
     opt._distamp = state  # type: ignore[attr-defined]
@@ -364,9 +478,10 @@ def autocast_exclude(module: nn.Module) -> nn.Module:
 
 def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Properties | None]:
     """The distamp states of ``optimizers``; ([], props) when they were wrapped with enabled=False."""
-    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if not opts:
+    given = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not given:
         raise ValueError(f"{what}: expected at least one optimizer, got an empty list")
+    opts = [inner_optimizer(o) or o for o in given]
     disabled = [getattr(o, _DISABLED, None) for o in opts]
     if all(d is not None for d in disabled):
         return [], disabled[0]
@@ -446,7 +561,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
             "the last step(); expected `with distamp.scale_loss(loss, optimizer) as s: "
             "s.backward()` first"
         )
-    st.group.unscale_and_decide(st)
+    unscale_now(st)
 
 
 def clip_grad_norm_(
@@ -462,7 +577,9 @@ def clip_grad_norm_(
     """
     states, disabled = _states(optimizer, "clip_grad_norm_")
     if disabled is not None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [
+            p for g in (inner_optimizer(optimizer) or optimizer).param_groups for p in g["params"]
+        ]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     (st,) = states
     if st.state is OptState.SCALED:
@@ -474,6 +591,7 @@ def clip_grad_norm_(
         )
     if st.overflow:
         return torch.tensor(float("inf"))
+    st.masters.take_modified_model_grads()
     return st.masters.clip_(max_norm, norm_type)
 
 
@@ -487,7 +605,7 @@ def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
             last_step_skipped=False,
             loss_scales=(1.0,) * disabled.num_losses,
             master_bytes=0,
-            optimizer_state_bytes=_state_bytes(optimizer),
+            optimizer_state_bytes=_state_bytes(inner_optimizer(optimizer) or optimizer),
         )
     (st,) = states
     return AmpStats(
@@ -496,7 +614,7 @@ def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
         last_step_skipped=st.last_step_skipped,
         loss_scales=tuple(s.scale for s in st.group.scalers),
         master_bytes=st.masters.master_bytes(),
-        optimizer_state_bytes=_state_bytes(optimizer),
+        optimizer_state_bytes=_state_bytes(inner_optimizer(optimizer) or optimizer),
         last_nonfinite=st.last_nonfinite,
     )
 

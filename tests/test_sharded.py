@@ -91,9 +91,10 @@ def runs(request):
 
 pytestmark = pytest.mark.xdist_group("sharded")
 
-# 34 elements are cast and sharded (fc1 78+13, seven 7 in group 0; fc2 39+3 in group 1); the
-# LayerNorm's 26 stay FP32 and the frozen 13 stay out.
-SHARDED_ELEMENTS = {0: 78 + 13 + 7, 1: 39 + 3}
+# Cast and sharded: fc1 78+13, seven 7 and the frozen 13 in group 0 (a frozen parameter in the
+# optimizer gets a master, so it trains once unfrozen); fc2 39+3 in group 1. The LayerNorm's 26
+# stay FP32.
+SHARDED_ELEMENTS = {0: 78 + 13 + 7 + 13, 1: 39 + 3}
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
@@ -118,16 +119,33 @@ def test_sharded_equals_replicated_on_every_rank_after_every_step(runs, opt_name
     assert torch.equal(final, Odd().frozen.to(torch.bfloat16))  # cast, never stepped
 
 
+def _stepped_in_shard(world, rank):
+    """(elements, parameters) with optimizer state in ``rank``'s shards: the parameters that get
+    gradients (the frozen one never does, so it never gets state)."""
+    groups = [[(78, True), (13, True), (7, True), (13, False)], [(39, True), (3, True)]]
+    elements = params = 0
+    for sizes in groups:
+        size = -(-sum(n for n, _ in sizes) // world)
+        lo, hi, start = rank * size, (rank + 1) * size, 0
+        for n, stepped in sizes:
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b and stepped:
+                elements, params = elements + b - a, params + 1
+            start += n
+    return elements, params
+
+
 def test_each_rank_holds_one_shard_of_masters_and_state(runs):
     world, results = runs
     shard_elems = sum(-(-n // world) for n in SHARDED_ELEMENTS.values())
-    for rank_result in results:
+    for rank, rank_result in enumerate(results):
         assert rank_result[("adamw", True)]["master_bytes"] == 4 * shard_elems
         assert rank_result[("adamw", False)]["master_bytes"] == 4 * sum(SHARDED_ELEMENTS.values())
-        # AdamW: exp_avg + exp_avg_sq of the shard and of the 26 replicated LayerNorm values,
-        # plus one scalar step tensor per tensor stepped
-        expected_state = 2 * 4 * (shard_elems + 26) + 4 * (2 + 2) + 0
-        assert abs(rank_result[("adamw", True)]["state_bytes"] - expected_state) <= 16
+        # AdamW: exp_avg + exp_avg_sq of the stepped part of the shard and of the 26 replicated
+        # LayerNorm values, plus one 4-byte step per stepped parameter slice and LayerNorm tensor
+        elements, slices = _stepped_in_shard(world, rank)
+        expected_state = 2 * 4 * (elements + 26) + 4 * (slices + 2)
+        assert rank_result[("adamw", True)]["state_bytes"] == expected_state
 
 
 def _inject(rank, world):

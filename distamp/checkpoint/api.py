@@ -26,13 +26,14 @@ from .state import (
     FlatGroup,
     OptimizerView,
     check_plain,
-    chunk_slices,
     flat_masters,
     flat_starts,
     flat_state,
     hyperparameters,
     is_dtensor,
     kept_state,
+    live_state_dict,
+    merge_flat_info,
     model_entry,
     numel,
     optimizer_views,
@@ -133,8 +134,14 @@ def save_checkpoint(
     agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
     tmp = directory.with_name(directory.name + files.INCOMPLETE)
 
+    local_info = agree("save_checkpoint: reading optimizer state", lambda: _flat_info(target), pg)
+    infos: list[Any] = [local_info]
+    if target.distributed():
+        infos = [None] * target.world
+        dist.all_gather_object(infos, local_info, group=pg)
+    info = merge_flat_info(infos)
     state_dict, manifest = agree(
-        "save_checkpoint: collecting state", lambda: _collect(target, plain_extra), pg
+        "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank), pg)
     with _quiet_single_process(not target.distributed()):
@@ -179,7 +186,26 @@ def _prepare(directory: Path, rank: int) -> None:
         files.prepare_tmp(directory)
 
 
-def _collect(target: _Target, extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _flat_info(target: _Target) -> dict[tuple[int, int], dict[str, Any]]:
+    """This rank's summary of each flat group's state, for :func:`merge_flat_info`."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for view in target.views:
+        for g, gv in enumerate(view.groups):
+            if gv.flat is not None:
+                tensors, scalars, has_state = flat_state(
+                    view.opt, gv.flat, target.rank, target.world
+                )
+                out[(view.index, g)] = {
+                    "scalars": scalars,
+                    "has_state": has_state,
+                    "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+                }
+    return out
+
+
+def _collect(
+    target: _Target, extra: Any, info: dict[tuple[int, int], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The DCP state dict (this rank's pieces) and the manifest (identical on every rank)."""
     rank, world = target.rank, target.world
     sd: dict[str, Any] = {}
@@ -187,7 +213,7 @@ def _collect(target: _Target, extra: Any) -> tuple[dict[str, Any], dict[str, Any
     for i, model in enumerate(target.models):
         entry = model_entry(i, model, len(target.models))
         models.append(entry)
-        for key, value in model.state_dict().items():
+        for key, value in live_state_dict(model).items():
             # A plain tensor: rank 0's copy only (buffers such as BatchNorm statistics may differ
             # between ranks, DDP takes rank 0's, DCP's dedup would write an arbitrary rank's).
             # A DTensor (an FSDP-sharded parameter): every rank writes its shard.
@@ -205,18 +231,21 @@ def _collect(target: _Target, extra: Any) -> tuple[dict[str, Any], dict[str, Any
                 sd[f"optim.{o}.g{g}.master"] = target.piece_tensor(
                     flat_masters(flat, rank, world), flat.total
                 )
-                tensors, scalars, has_state = flat_state(opt, flat, rank, world)
-                for key, local in tensors.items():
+                tensors, _, _ = flat_state(opt, flat, rank, world)
+                merged = info[(o, g)]
+                lo, hi = flat.piece(rank, world)
+                for key, dtype in merged["dtypes"].items():
+                    local = tensors.get(key)
+                    if local is None:  # no part of this rank's shard has that state yet
+                        local = torch.zeros(hi - lo, dtype=_dtype(dtype))
                     sd[f"optim.{o}.g{g}.state.{key}"] = target.piece_tensor(local, flat.total)
                 flat_entry = {
                     "names": flat.names,
                     "shapes": [list(s) for s in flat.shapes],
                     "total": flat.total,
-                    "tensor_keys": {
-                        k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()
-                    },
-                    "scalars": scalars,
-                    "has_state": has_state,
+                    "tensor_keys": dict(sorted(merged["dtypes"].items())),
+                    "scalars": merged["scalars"],
+                    "has_state": merged["has_state"],
                 }
             for name, tensor in gv.kept:
                 tensors, scalars = kept_state(opt, tensor)
@@ -457,7 +486,7 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
     rank, world = target.rank, target.world
     dest: dict[str, Any] = {}
     for i, (entry, model) in enumerate(zip(manifest["models"], target.models, strict=True)):
-        live = model.state_dict()
+        live = live_state_dict(model)
         for key, (shape, dtype) in entry["keys"].items():
             dest[f"model.{i}.{key}"] = (
                 torch.empty_like(live[key], dtype=_dtype(dtype))
@@ -542,14 +571,17 @@ def _install_optimizer(
             if flat.sharded is not None:
                 shard = flat.sharded.shards[flat.group]
                 shard.copy_(local_bufs[prefix + "master"])
-                if any(has_state):
-                    scalars = _one_scalar_per_key(saved_flat, f"optimizers[{o}].param_groups[{g}]")
-                    for chunk, (a, b) in zip(
-                        flat.sharded.chunks[flat.group], chunk_slices(shard.numel()), strict=True
-                    ):
-                        opt.state[chunk] = {k: v[a:b].clone() for k, v in states.items()} | {
-                            k: _clone(v) for k, v in scalars.items()
-                        }
+                layout = flat.sharded.groups[flat.group]
+                for (index, a, b), chunk in zip(
+                    layout.spans, flat.sharded.chunks[flat.group], strict=True
+                ):
+                    if not has_state[index]:
+                        continue
+                    per = {k: v[a:b].clone() for k, v in states.items()}
+                    for k, values in saved_flat["scalars"].items():
+                        if values[index] is not None:
+                            per[k] = _clone(values[index])
+                    opt.state[chunk] = per
             else:
                 full = local_bufs[prefix + "master"]
                 for i, (master, start) in enumerate(
@@ -580,41 +612,6 @@ def _install_optimizer(
         st.skipped_steps = int(entry["skipped_steps"])
         st.last_step_skipped = False
         st.reset()
-
-
-def _one_scalar_per_key(saved_flat: dict[str, Any], where: str) -> dict[str, Any]:
-    """Sharded masters step a group as one tensor: its scalar state must be one value."""
-    out = {}
-    for key, values in saved_flat["scalars"].items():
-        present = [
-            (name, v)
-            for name, v, has in zip(
-                saved_flat["names"], values, saved_flat["has_state"], strict=True
-            )
-            if has and v is not None
-        ]
-        if not present:
-            continue
-        first_name, first = present[0]
-        for name, value in present[1:]:
-            if not _same(value, first):
-                raise CheckpointError(
-                    f"{where}: optimizer state {key!r} is {_show(first)} for {first_name!r} but "
-                    f"{_show(value)} for {name!r}; sharded masters keep one value per param "
-                    "group: load this checkpoint with shard_master_weights=False"
-                )
-        out[key] = first
-    return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    return bool(a == b)
-
-
-def _show(value: Any) -> str:
-    return repr(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
 
 
 def _clone(value: Any) -> Any:

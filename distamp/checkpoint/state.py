@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..optim import AmpOptimizer, AmpOptimizerState, MasterParams
-from ..shard import CHUNK, ShardedMasterParams
+from ..shard import ShardedMasterParams
 from .files import CheckpointError
 
 DISABLED = "_distamp_disabled"  # same attribute as distamp.wrap._DISABLED
@@ -92,6 +92,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def live_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with every tensor in its live dtype (detached): under O2 the plain
+    ``state_dict()`` reports half tensors as FP32 for apex compatibility, which would double the
+    model's bytes in a checkpoint that holds the exact FP32 masters anyway."""
+    return {
+        k: v.detach() if isinstance(v, torch.Tensor) else v
+        for k, v in model.state_dict(keep_vars=True).items()
+    }
+
+
 def param_names(models: list[nn.Module]) -> dict[int, str]:
     """id(param) -> qualified name, as ``distamp.wrap`` names them."""
     names: dict[int, str] = {}
@@ -111,7 +121,7 @@ def model_entry(index: int, model: nn.Module, n_models: int) -> dict[str, Any]:
         for pname, param in model.named_parameters(remove_duplicate=False)
     }
     keys: dict[str, list[Any]] = {}
-    for key, value in model.state_dict().items():
+    for key, value in live_state_dict(model).items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(
                 f"model state_dict entry {key!r} is a {type(value).__name__}; expected tensors "
@@ -224,27 +234,39 @@ def flat_masters(flat: FlatGroup, rank: int, world: int) -> torch.Tensor:
 
 def flat_state(
     opt: torch.optim.Optimizer, flat: FlatGroup, rank: int, world: int
-) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]], list[bool]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]], list[bool | None]]:
     """This rank's piece of each element-wise state tensor, the per-parameter scalar state and
-    which parameters have state at all."""
+    which parameters have state at all (None where this rank holds no part of a parameter: its
+    state lives on other ranks, see :func:`merge_flat_info`)."""
     lo, hi = flat.piece(rank, world)
     n = len(flat.names)
     if flat.sharded is not None:
+        layout = flat.sharded.groups[flat.group]
         chunks = flat.sharded.chunks[flat.group]
-        states = [opt.state.get(c) for c in chunks]
-        if not any(states):
-            return {}, {}, [False] * n
-        first = states[0] or {}
-        tensors, scalars = {}, {}
-        for key, value in first.items():
-            if isinstance(value, torch.Tensor) and value.shape == chunks[0].shape:
-                tensors[key] = torch.cat([s[key].reshape(-1) for s in states if s])[: hi - lo]
-            else:
-                scalars[key] = [_plain_scalar(value)] * n
-        return tensors, scalars, [True] * n
+        device = flat.sharded.shards[flat.group].device
+        has: list[bool | None] = [None] * n
+        scalars: dict[str, list[Any]] = {}
+        pieces: dict[str, torch.Tensor] = {}
+        for (index, a, b), chunk in zip(layout.spans, chunks, strict=True):
+            state = opt.state.get(chunk)
+            has[index] = bool(state)
+            for key, value in (state or {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape == chunk.shape
+                ):
+                    if key not in pieces:
+                        pieces[key] = torch.zeros(
+                            layout.shard_size, dtype=value.dtype, device=device
+                        )
+                    pieces[key][a:b] = value.detach()
+                else:
+                    scalars.setdefault(key, [None] * n)[index] = _plain_scalar(value)
+        return {k: v[: hi - lo] for k, v in pieces.items()}, scalars, has
     tensors_full: dict[str, list[torch.Tensor]] = {}
     scalars_out: dict[str, list[Any]] = {}
-    has_state = [bool(opt.state.get(m)) for m in flat.masters]
+    has_state: list[bool | None] = [bool(opt.state.get(m)) for m in flat.masters]
     for i, master in enumerate(flat.masters):
         for key, value in opt.state.get(master, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == master.shape:
@@ -253,16 +275,44 @@ def flat_state(
                 scalars_out.setdefault(key, [None] * n)[i] = _plain_scalar(value)
     tensors = {}
     for key in tensors_full:
-        pieces = []
+        pieces_full = []
         for master in flat.masters:
             value = opt.state.get(master, {}).get(key)
-            pieces.append(
+            pieces_full.append(
                 value.detach().reshape(-1)
                 if isinstance(value, torch.Tensor)
                 else torch.zeros(master.numel(), dtype=_state_dtype(opt, flat.masters, key))
             )
-        tensors[key] = torch.cat(pieces)[lo:hi]
+        tensors[key] = torch.cat(pieces_full)[lo:hi]
     return tensors, scalars_out, has_state
+
+
+def merge_flat_info(infos: list[dict[Any, Any]]) -> dict[Any, Any]:
+    """One view of every flat group's scalar state from each rank's :func:`flat_state` summary.
+
+    With sharded masters a rank knows the state of the parameters it holds a part of only; the
+    manifest (written by rank 0) needs all of them, and every rank must write the same state keys.
+    ``infos``: per rank, ``{(o, g): {"scalars", "has_state", "dtypes"}}``.
+    """
+    merged: dict[Any, Any] = {}
+    for info in infos:
+        for key, part in info.items():
+            into = merged.setdefault(
+                key,
+                {"scalars": {}, "has_state": [None] * len(part["has_state"]), "dtypes": {}},
+            )
+            into["dtypes"].update(part["dtypes"])
+            for i, has in enumerate(part["has_state"]):
+                if into["has_state"][i] is None:
+                    into["has_state"][i] = has
+            for name, values in part["scalars"].items():
+                slot = into["scalars"].setdefault(name, [None] * len(values))
+                for i, value in enumerate(values):
+                    if slot[i] is None:
+                        slot[i] = value
+    for part in merged.values():
+        part["has_state"] = [bool(h) for h in part["has_state"]]
+    return merged
 
 
 def _state_dtype(opt: torch.optim.Optimizer, masters: list[torch.Tensor], key: str) -> torch.dtype:
@@ -351,8 +401,3 @@ def is_dtensor(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
-
-
-def chunk_slices(shard_size: int) -> list[tuple[int, int]]:
-    """The [a, b) slices of a shard that the inner optimizer steps (see distamp.shard CHUNK)."""
-    return [(a, min(a + CHUNK, shard_size)) for a in range(0, shard_size, CHUNK)]

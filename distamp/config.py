@@ -221,7 +221,7 @@ def resolve_properties(
     device_type: str,
     enabled: bool = True,
     half_dtype: object = "auto",
-    cast_model_type: torch.dtype | None = None,
+    cast_model_type: torch.dtype | bool | None = None,
     patch_torch_functions: object = None,
     keep_batchnorm_fp32: object = None,
     master_weights: object = None,
@@ -237,6 +237,9 @@ def resolve_properties(
 ) -> Properties:
     """Apply user overrides on top of an opt_level preset, refusing the nonsensical ones as apex does."""
     level = check_opt_level(opt_level)
+    explicit_masters = master_weights
+    if cast_model_type is False:  # apex: False means "do not cast the model"
+        cast_model_type = torch.float32
     patch_torch_functions = _parse_bool("patch_torch_functions", patch_torch_functions)
     keep_batchnorm_fp32 = _parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
     master_weights = _parse_bool("master_weights", master_weights)
@@ -301,11 +304,12 @@ def resolve_properties(
         chosen["cast_model_type"] = None  # FP32 models are left as they are
     model_is_cast = chosen["cast_model_type"] in HALF_DTYPES
     if chosen["master_weights"] and not model_is_cast:
-        warnings.warn(
-            f"master_weights=True is ignored with opt_level {level}: the model's weights stay "
-            "FP32, so they are their own master copy",
-            stacklevel=3,
-        )
+        if _parse_bool("master_weights", explicit_masters):
+            warnings.warn(
+                f"master_weights=True is ignored with opt_level {level} and the model not cast: "
+                "its weights stay FP32, so they are their own master copy",
+                stacklevel=3,
+            )
         chosen["master_weights"] = False
     if chosen["keep_batchnorm_fp32"] and not model_is_cast:
         chosen["keep_batchnorm_fp32"] = None  # nothing is cast, so nothing to keep FP32

@@ -62,7 +62,7 @@ def wrap(
     opt_level: str = "O1",
     enabled: bool = True,
     half_dtype: Any = "auto",
-    cast_model_type: torch.dtype | None = None,
+    cast_model_type: torch.dtype | bool | None = None,
     patch_torch_functions: bool | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     master_weights: bool | None = None,

@@ -316,9 +316,10 @@ def plan_precision(
             if p is not None and p.is_floating_point():
                 owners.setdefault(id(p), []).append(module)
                 params[id(p)] = p
-    param_names = {
-        id(p): n for model in models for n, p in model.named_parameters(remove_duplicate=False)
-    }
+    param_names: dict[int, str] = {}
+    for i, model in enumerate(models):
+        for n, p in model.named_parameters():
+            param_names.setdefault(id(p), n if len(models) == 1 else f"models[{i}].{n}")
     shared: list[tuple[str, str, str]] = []
     for pid, mods in owners.items():
         kept_by = next((m for m in mods if id(m) in inside), None)

@@ -1,0 +1,193 @@
+"""One precision decision per tensor under O2: tied weights, norm classes that are not torch's,
+buffers such as RoPE's inv_freq, FP32 modules fed integers (see [Note: one precision decision
+per tensor] in distamp/casting.py)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from models import NormMLP
+from torch import nn
+from user_models import GPTConfig, LlamaConfig, NanoGPT, TinyLlama
+
+import distamp
+
+
+def _wrap(model, level="O2", **kw):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **kw)
+    return model, opt, [str(w.message) for w in caught]
+
+
+def _stepped_dtypes(model, opt):
+    """For each parameter: the dtype of the tensor the optimizer steps for it."""
+    masters = opt._distamp.masters
+    return {
+        name: (m.dtype if sep else p.dtype)
+        for name, p in model.named_parameters(remove_duplicate=False)
+        for q, m, sep in zip(*masters.columns(), strict=True)
+        if q is p
+    }
+
+
+# -- tied weights ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept", ["transformer.wte", "lm_head"])
+def test_a_tied_weight_gets_one_decision_when_one_of_its_modules_stays_fp32(kept):
+    torch.manual_seed(0)
+    model = NanoGPT(GPTConfig())
+    model, opt, messages = _wrap(model, keep_fp32_modules=[kept])
+    tied = model.lm_head.weight
+    assert tied is model.transformer.wte.weight and tied.dtype == torch.float32
+    assert _stepped_dtypes(model, opt)["lm_head.weight"] == torch.float32
+    other = "lm_head" if kept == "transformer.wte" else "transformer.wte"
+    assert any(f"so {other!r} runs in FP32 too" in m for m in messages), messages
+    idx = torch.randint(0, 61, (2, 8))
+    logits, loss = model(idx, idx)  # no dtype clash between an FP32 weight and half inputs
+    assert logits.dtype == torch.float32 and torch.isfinite(loss)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    before = tied.detach().clone()
+    opt.step()
+    assert not torch.equal(tied, before)
+
+
+class SharedWithABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4))
+        self.block.register_parameter("shared", self.emb.weight)  # a block owning it directly
+
+
+def test_a_weight_shared_with_a_module_holding_half_submodules_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'emb.weight' is shared by 'emb'.*'block'.*untie"):
+        _wrap(SharedWithABlock(), keep_fp32_modules=["emb"])
+
+
+# -- normalization layers that are not torch's ---------------------------------------------------
+
+
+def test_norm_classes_written_by_users_stay_fp32_under_o2():
+    torch.manual_seed(0)
+    gpt, _, _ = _wrap(NanoGPT(GPTConfig(bias=True)))
+    llama, _, _ = _wrap(TinyLlama(LlamaConfig()))
+    for name, p in [*gpt.named_parameters(), *llama.named_parameters()]:
+        is_norm = "ln_" in name or "norm" in name
+        assert p.dtype == (torch.float32 if is_norm else torch.bfloat16), name
+
+
+class NormalizedLinear(nn.Module):  # "Norm" in the name, but it holds a matrix
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return x @ (self.weight / self.weight.norm(dim=0))
+
+
+class AdaLayerNorm(nn.Module):  # a norm with a projection inside: its Linear is a half layer
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+
+def test_norm_recognition_by_name_and_shape():
+    from distamp.casting import is_norm
+
+    assert is_norm(nn.LayerNorm(4)) and is_norm(nn.BatchNorm1d(4))
+    assert is_norm(TinyLlama(LlamaConfig()).norm)
+    assert not is_norm(NormalizedLinear())
+    assert not is_norm(AdaLayerNorm())
+    assert not is_norm(nn.Linear(4, 4))
+
+
+# -- buffers ---------------------------------------------------------------------------------------
+
+
+def _angles(cos, sin):
+    return torch.atan2(sin.float(), cos.float())
+
+
+def test_rotary_inv_freq_stays_fp32_and_the_rotation_is_right_at_distance_1024():
+    torch.manual_seed(0)
+    ref = TinyLlama(LlamaConfig(hidden_size=64, num_attention_heads=1))
+    model, _, _ = _wrap(copy.deepcopy(ref))
+    assert model.rotary_emb.inv_freq.dtype == torch.float32
+    pos = torch.arange(1024).unsqueeze(0)
+    x = torch.zeros(1, 1024, 64)
+    cos, sin = model.rotary_emb(x.bfloat16(), pos)
+    assert cos.dtype == sin.dtype == torch.bfloat16  # returned in the dtype of its input
+    ref_cos, ref_sin = ref.rotary_emb(x, pos)
+    err = (_angles(cos, sin) - _angles(ref_cos, ref_sin)).remainder(2 * torch.pi)
+    err = torch.minimum(err, 2 * torch.pi - err)
+    # Stated tolerance: cos/sin rounded once to BF16 (relative 2**-9) -> below 0.01 rad. A BF16
+    # inv_freq is off by up to 2**-9 relative, i.e. ~0.18 rad at position 1023 for the fastest
+    # frequency; the FP32 table is exact.
+    assert err.max() < 0.01
+    bf16_table = ref.rotary_emb.inv_freq.bfloat16().float()
+    assert (bf16_table[None, :] * 1023 - ref.rotary_emb.inv_freq * 1023).abs().max() > 0.05
+
+
+def test_batchnorm_statistics_stay_fp32_and_o3_casts_everything():
+    o2, _, _ = _wrap(NormMLP())
+    assert o2.bn.running_mean.dtype == o2.bn.running_var.dtype == torch.float32
+    o3, _, _ = _wrap(NormMLP(), level="O3")
+    assert o3.bn.running_mean.dtype == torch.bfloat16
+
+
+class RopeInsideAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("mask", torch.tensor([0.0, -100.0]), persistent=False)
+
+
+def test_a_buffer_that_loses_precision_with_its_module_is_named_in_a_warning():
+    model, _, messages = _wrap(RopeInsideAttention())
+    assert model.inv_freq.dtype == torch.bfloat16  # cast with its module's parameters (apex)
+    assert any("['inv_freq'] lost precision" in m for m in messages), messages
+    assert not any("'mask'" in m for m in messages)  # exact in BF16: nothing lost, no warning
+
+
+# -- FP32 modules fed integers --------------------------------------------------------------------
+
+
+def test_an_fp32_embedding_returns_the_half_dtype_to_the_layers_after_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    model, opt, _ = _wrap(model, keep_fp32_modules=["0"])
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+    assert model[0](torch.tensor([1, 2])).dtype == torch.bfloat16
+    out = model(torch.tensor([[1, 2, 3]]))  # used to fail: FP32 input to a BF16 Linear
+    assert out.dtype == torch.float32
+
+
+def test_o2_models_written_by_users_train_close_to_fp32():
+    """Stated tolerance: after 5 AdamW steps the O2 loss is within 2% of the FP32 loss."""
+    results = {}
+    for level in ("fp32", "O2"):
+        torch.manual_seed(0)
+        model = TinyLlama(LlamaConfig())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if level == "O2":
+            model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            ids = torch.randint(0, 53, (4, 12), generator=gen)
+            loss = model(ids, ids)["loss"]
+            if level == "O2":
+                with distamp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        results[level] = loss.item()
+    assert results["O2"] == pytest.approx(results["fp32"], rel=0.02)

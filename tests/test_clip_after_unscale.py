@@ -1,0 +1,91 @@
+"""torch.amp's clipping habit under every opt_level: ``distamp.unscale_(opt);
+torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); opt.step()`` clips what the
+optimizer steps (see [Note: unscale_ then torch's clip_grad_norm_] in distamp/optim.py).
+
+Two probes start at zero (loss = (a * g).sum() + (ln.weight * h).sum(), the LayerNorm weight
+stays FP32 under O2): after one SGD(lr=1) step each weight is minus its clipped gradient, so
+the weights' global norm must be ``max_norm`` and their direction the gradient's.
+"""
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models import GradProbe
+from torch import nn
+
+import distamp
+
+MAX_NORM = 0.01
+
+
+class Probes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = GradProbe(6)
+        self.ln = nn.LayerNorm(4)
+        nn.init.zeros_(self.ln.weight)
+
+    def forward(self, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        # / 8, as a mean would: the upstream gradient 2**16 alone does not fit in FP16
+        return (self.a(g) + (self.ln.weight * h).sum()) / 8
+
+
+# Small enough that the scaled FP16 gradients (x 2**16) do not overflow: no step is skipped.
+G = torch.tensor([1.0, -2.0, 0.5, 4.0, -0.25, 3.0]) / 16
+H = torch.tensor([2.0, -1.0, 0.75, -3.0]) / 16
+
+
+def _clip_step(rank, world, level, half, shard, modify):
+    model = Probes()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    kw = {"shard_master_weights": shard} if level == "O2" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, half_dtype=half, verbosity=0, **kw)
+    with distamp.scale_loss(model(G, H).float(), opt) as scaled:
+        scaled.backward()
+    distamp.unscale_(opt)
+    if modify == "clip":
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    else:  # any other change to the model's .grad after unscale_ reaches the step too
+        model.a.w.grad = None
+        total = torch.tensor(0.0)
+    opt.step()
+    return {
+        "a": model.a.w.detach().float(),
+        "ln": model.ln.weight.detach().float(),
+        "total": total.float(),
+    }
+
+
+CASES = [
+    ("O0", torch.bfloat16, False, 1),
+    ("O1", torch.bfloat16, False, 1),
+    ("O2", torch.bfloat16, False, 1),
+    ("O2", torch.bfloat16, True, 2),
+    ("O2", torch.float16, False, 1),
+    ("O3", torch.bfloat16, False, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("level", "half", "shard", "world"),
+    CASES,
+    ids=["O0", "O1", "O2-bf16", "O2-bf16-sharded-w2", "O2-fp16", "O3"],
+)
+def test_torch_clip_grad_norm_after_unscale_clips_what_the_optimizer_steps(
+    level, half, shard, world
+):
+    full = torch.cat([G, H]) / 8
+    for r in run_ranks(_clip_step, world, level, half, shard, "clip", timeout=120):
+        # the norm torch measured is the true (unscaled) one
+        assert r["total"].item() == pytest.approx(full.norm().item(), rel=1e-2)
+        stepped = torch.cat([r["a"], r["ln"]])
+        # Stated tolerance: half gradients and weights round to 2**-8 relative (BF16/FP16).
+        assert stepped.norm().item() == pytest.approx(MAX_NORM, rel=1e-2)
+        torch.testing.assert_close(stepped, -full * MAX_NORM / full.norm(), rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)], ids=["replicated", "sharded"])
+def test_a_gradient_removed_after_unscale_is_not_stepped(shard, world):
+    for r in run_ranks(_clip_step, world, "O2", torch.bfloat16, shard, "drop", timeout=120):
+        assert torch.equal(r["a"], torch.zeros(6))
+        torch.testing.assert_close(r["ln"], -H / 8)

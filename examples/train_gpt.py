@@ -8,6 +8,9 @@ distamp's opt_levels O0-O3. The three distamp lines are marked ``# distamp``.
     python examples/train_gpt.py --size tiny --steps 20          # one process, no process group
 
 The backend is NCCL when CUDA is available (one GPU per rank, picked by LOCAL_RANK), else gloo.
+Rank 0 shows a tqdm bar when stdout is a terminal (plain lines every --log-every steps in a log
+file), records every step in runs/gpt-SIZE/metrics.jsonl and draws runs/gpt-SIZE/metrics.png at
+the end (``python -m distamp.plot runs/gpt-SIZE`` redraws it). Other ranks print nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
 import signal
 import statistics
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -190,63 +195,151 @@ class RandomWindows:
 # -- training -----------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every flag's default, unless its help text says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
+    model = parser.add_argument_group("model and precision")
+    model.add_argument(
         "--opt-level",
         choices=["auto", "O0", "O1", "O2", "O3"],
         default="auto",
-        help="auto: O2, or O0 on a CPU without bf16 units (where bf16 matmul is ~100x slower)",
+        help="distamp opt_level; auto: O2, or O0 on a CPU without bf16 units (where bf16 matmul "
+        "is ~100x slower)",
     )
-    parser.add_argument("--half-dtype", choices=["auto", "bf16", "fp16"], default="auto")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch/rank")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 turns it off")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: auto)")
-    parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read")
-    parser.add_argument(
+    model.add_argument(
+        "--half-dtype",
+        choices=["auto", "bf16", "fp16"],
+        default="auto",
+        help="16-bit dtype of O1-O3; auto: bf16 on CPU, fp16 on CUDA",
+    )
+    model.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="model size: tiny ~0.8M, small ~5M, bench ~16M parameters",
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=50, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch/rank")
+    train.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    train.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    train.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 turns it off")
+    train.add_argument("--seed", type=int, default=0, help="model and data seed")
+    train.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read")
+    dist_group = parser.add_argument_group("processes and communication")
+    dist_group.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)"
+    )
+    dist_group.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="process group backend under torchrun; auto: nccl when CUDA is available, else gloo",
+    )
+    dist_group.add_argument(
         "--comm-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reduce gradients in the half dtype with distamp.hooks.register (not at O0)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes a summary here")
-    parser.add_argument(
+    out = add_progress_arguments(parser, log_every=10, run_name="gpt-SIZE")
+    out.add_argument("--json", type=Path, default=None, help="rank 0 writes a summary here")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument(
         "--ckpt-dir", type=Path, default=None, help="save sharded checkpoints under this folder"
     )
-    parser.add_argument(
+    ckpt.add_argument(
         "--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)"
     )
-    parser.add_argument(
+    ckpt.add_argument(
         "--resume",
         default="auto",
-        help="'auto': the newest complete checkpoint in --ckpt-dir, if any; 'none'; or a path",
+        help="'auto': the newest complete checkpoint in --ckpt-dir, if any (what a requeued or "
+        "restarted job wants); 'none'; or a checkpoint path. Any world size",
     )
-    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept in --ckpt-dir")
-    parser.add_argument(
+    ckpt.add_argument("--keep", type=int, default=2, help="checkpoints kept in --ckpt-dir")
+    ckpt.add_argument(
         "--fail-at-step",
         type=int,
         default=0,
         help="fault injection: the last rank kills itself (SIGKILL) at this step, on the first "
-        "attempt of a torchrun --max-restarts job only",
+        "attempt of a torchrun --max-restarts job only; 0: never",
     )
-    args = parser.parse_args()
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_progress_arguments(parser, args, run_name=f"gpt-{args.size}")
     return args
 
 
-def setup_distributed() -> tuple[torch.device, str | None]:
-    """Join the torchrun process group if there is one; return (device, backend or None)."""
-    use_cuda = torch.cuda.is_available()
+def add_progress_arguments(
+    parser: argparse.ArgumentParser, *, log_every: int, run_name: str
+) -> argparse._ArgumentGroup:
+    """--progress, --log-every, --metrics-every, --run-dir, --plot-every (see Progress)."""
+    out = parser.add_argument_group("progress, metrics and pictures (rank 0)")
+    out.add_argument(
+        "--progress",
+        choices=["auto", "bar", "lines"],
+        default="auto",
+        help="auto: a tqdm bar when stdout is a terminal, else plain lines every --log-every steps",
+    )
+    out.add_argument("--log-every", type=int, default=log_every, help="steps between plain lines")
+    out.add_argument(
+        "--metrics-every",
+        type=int,
+        default=1,
+        help="steps between records in RUN_DIR/metrics.jsonl (and bar updates of the loss)",
+    )
+    out.add_argument(
+        "--run-dir",
+        default=None,
+        help=f"folder of metrics.jsonl and metrics.png; 'none' writes neither "
+        f"(default: runs/{run_name})",
+    )
+    out.add_argument(
+        "--plot-every",
+        type=int,
+        default=0,
+        help="steps between redraws of RUN_DIR/metrics.png (0: at the end only; needs matplotlib)",
+    )
+    return out
+
+
+def check_progress_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, run_name: str
+) -> None:
+    """Refuse bad values; turn --run-dir into a Path (None for 'none')."""
+    for name in ("log_every", "metrics_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.plot_every < 0:
+        parser.error("--plot-every must be >= 0")
+    run_dir = args.run_dir if args.run_dir is not None else f"runs/{run_name}"
+    args.run_dir = None if run_dir == "none" else Path(run_dir)
+
+
+def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
+    """Join the torchrun process group if there is one; return (device, backend or None).
+
+    ``backend`` "auto" is NCCL when CUDA is available (one GPU per rank, by LOCAL_RANK), else
+    gloo; "gloo" keeps the model on the CPU even where there are GPUs.
+    """
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise SystemExit("--backend nccl needs CUDA: this machine has no usable GPU")
     device = torch.device("cpu")
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -325,7 +418,7 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
-    is_main: bool,
+    progress: Progress,
 ) -> None:
     """Collective: a sharded checkpoint of step ``step``; keep the newest ``--keep`` of them."""
     directory = args.ckpt_dir / f"step_{step:06d}"
@@ -333,8 +426,8 @@ def save(
     distamp.save_checkpoint(  # distamp
         directory, model, optimizer, extra={"step": step, "scheduler": scheduler.state_dict()}
     )
-    if is_main:
-        print(f"saved {directory} in {time.perf_counter() - start:.2f} s", flush=True)
+    if progress.enabled:
+        progress.print(f"saved {directory} in {time.perf_counter() - start:.2f} s")
         done = sorted(p for p in args.ckpt_dir.glob("step_*") if (p / "COMMIT").is_file())
         for old in done[: -args.keep] if args.keep > 0 else []:
             shutil.rmtree(old)
@@ -348,9 +441,196 @@ def inject_failure(step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+# -- progress, metrics and the picture ------------------------------------------------------------
+
+
+def format_eta(seconds: float) -> str:
+    """``1h02m``, ``3m07s`` or ``42s``."""
+    seconds = max(0, round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+class Progress:
+    """What rank 0 shows and keeps of a run; on every other rank it does nothing.
+
+    A tqdm bar (loss, loss scale, skipped steps, tokens/s, ETA) when stdout is a terminal, else a
+    plain line every ``log_every`` steps (CI, log files); one JSON object per recorded step in
+    ``run_dir/metrics.jsonl``; its picture ``run_dir/metrics.png`` (``distamp.plot``) at the end
+    and every ``plot_every`` steps. A resumed run keeps the records before its first step and
+    drops the later ones, which the checkpoint it resumed from does not know about.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        enabled: bool,
+        first_step: int,
+        tokens_per_step: int,
+        line_width: int = 5,
+    ) -> None:
+        self.enabled = enabled
+        self.total = args.steps
+        self.log_every = args.log_every
+        self.plot_every = args.plot_every if args.run_dir is not None else 0
+        self.tokens_per_step = tokens_per_step
+        self.line_width = line_width
+        self.run_dir: Path | None = args.run_dir if enabled else None
+        self.first_step = first_step
+        self.start = time.perf_counter()
+        self.skipped_since: list[int] = []
+        self.plot_warned = False
+        self.bar = None
+        self.exits = contextlib.ExitStack()
+        if not enabled:
+            return
+        mode = args.progress
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        if mode == "bar":
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                print("no progress bar: tqdm is not installed (pip install tqdm)", flush=True)
+            else:
+                # A terminal that reports no size (a pty nobody sized) would get an empty bar.
+                try:
+                    sized = min(os.get_terminal_size(sys.stdout.fileno())) > 0
+                except OSError:
+                    sized = False
+                self.bar = tqdm(
+                    total=args.steps,
+                    initial=first_step - 1,
+                    unit="step",
+                    file=sys.stdout,
+                    dynamic_ncols=sized,
+                    ncols=None if sized else 120,
+                    nrows=None if sized else 24,
+                    smoothing=0.1,
+                )
+                # distamp's own warnings (a skipped step) go above the bar, not through it.
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                self.exits.enter_context(
+                    logging_redirect_tqdm([logging.getLogger("distamp")], tqdm_class=tqdm)
+                )
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            metrics = self.run_dir / "metrics.jsonl"
+            kept = []
+            if metrics.is_file() and first_step > 1:
+                for line in metrics.read_text().splitlines():
+                    with contextlib.suppress(ValueError):
+                        if json.loads(line)["step"] < first_step:
+                            kept.append(line + "\n")
+            metrics.write_text("".join(kept))
+
+    def print(self, message: str) -> None:
+        """A line on rank 0 that leaves the bar intact."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def step(self, step: int, skipped: bool) -> None:
+        """Called after every optimizer step, on every rank."""
+        if skipped:
+            self.skipped_since.append(step)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def record(
+        self,
+        step: int,
+        *,
+        loss: float,
+        loss_scale: float,
+        skipped: int,
+        lr: float,
+        step_s: float,
+    ) -> None:
+        """Called at the recorded steps, on every rank, with the loss averaged over the ranks."""
+        if not self.enabled:
+            return
+        tokens_per_s = self.tokens_per_step / step_s
+        row = {
+            "step": step,
+            "loss": loss,
+            "loss_scale": loss_scale,
+            "skipped": skipped,
+            "skipped_steps": self.skipped_since,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "step_s": step_s,
+            "time": time.time(),
+        }
+        self.skipped_since = []
+        if self.run_dir is not None:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"loss {loss:.4f} | scale {loss_scale:g} | skipped {skipped} | "
+                f"{tokens_per_s:.0f} tok/s",
+                refresh=False,
+            )
+        if self.plot_every and step % self.plot_every == 0 and step != self.total:
+            self.plot()
+
+    def line(
+        self, step: int, *, loss: float, loss_scale: float, skipped: int, lr: float, step_s: float
+    ) -> None:
+        """The plain line of a --log-every step (not printed while there is a bar)."""
+        if not self.enabled or self.bar is not None:
+            return
+        done = step - self.first_step + 1
+        eta = (time.perf_counter() - self.start) / done * (self.total - step)
+        print(
+            f"step {step:{self.line_width}d} | loss {loss:.4f} | scale {loss_scale:g} | "
+            f"skipped {skipped} | lr {lr:.2e} | {step_s * 1e3:7.1f} ms | "
+            f"{self.tokens_per_step / step_s:8.0f} tok/s | eta {format_eta(eta)}",
+            flush=True,
+        )
+
+    def plot(self) -> None:
+        """Redraw run_dir/metrics.png; without matplotlib say how to get it, once, and go on."""
+        if self.run_dir is None:
+            return
+        try:
+            import distamp.plot
+
+            distamp.plot.plot_run(self.run_dir)
+        except ImportError as error:
+            if not self.plot_warned:
+                self.print(f"no plot: {error}")
+                self.plot_warned = True
+
+    def close(self) -> None:
+        """End of training: close the bar, draw the picture."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self.exits.close()
+        if self.enabled and self.run_dir is not None:
+            self.plot()
+            if not self.plot_warned:
+                print(
+                    f"metrics: {self.run_dir / 'metrics.jsonl'} | picture: "
+                    f"{self.run_dir / 'metrics.png'} (python -m distamp.plot {self.run_dir} "
+                    "redraws it)",
+                    flush=True,
+                )
+
+
 def main() -> None:
     args = parse_args()
-    device, backend = setup_distributed()
+    device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0
     world_size = dist.get_world_size() if backend else 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -418,6 +698,9 @@ def main() -> None:
             flush=True,
         )
 
+    progress = Progress(
+        args, enabled=is_main, first_step=first_step, tokens_per_step=tokens_per_step
+    )
     step_times: list[float] = []
     loss_sum = torch.zeros((), device=device)
     for step in range(first_step, args.steps + 1):
@@ -444,23 +727,30 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
+        st = distamp.stats(optimizer)  # distamp: the same on every rank
+        progress.step(step, st.last_step_skipped)
 
-        if step % args.log_every == 0 or step == args.steps:
+        record = step % args.metrics_every == 0 or step == args.steps
+        line = step % args.log_every == 0 or step == args.steps
+        if record or line:
             if backend is not None:  # every rank reaches this line at the same steps
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-            st = distamp.stats(optimizer)  # distamp
-            if is_main:
-                print(
-                    f"step {step:5d} | loss {loss_sum.item():.4f} | "
-                    f"scale {st.loss_scales[0]:g} | skipped {st.skipped_steps} | "
-                    f"lr {scheduler.get_last_lr()[0]:.2e} | {step_times[-1] * 1e3:7.1f} ms | "
-                    f"{tokens_per_step / step_times[-1]:8.0f} tok/s",
-                    flush=True,
-                )
+            values = dict(
+                loss=loss_sum.item(),
+                loss_scale=st.loss_scales[0],
+                skipped=st.skipped_steps,
+                lr=scheduler.get_last_lr()[0],
+                step_s=step_times[-1],
+            )
+            if record:
+                progress.record(step, **values)
+            if line:
+                progress.line(step, **values)
         if args.ckpt_dir is not None and (
             step == args.steps or (args.save_every and step % args.save_every == 0)
         ):
-            save(args, step, model, optimizer, scheduler, is_main)
+            save(args, step, model, optimizer, scheduler, progress)
+    progress.close()
 
     timed = step_times[WARMUP_STEPS_EXCLUDED:] or step_times
     st = distamp.stats(optimizer)

@@ -25,7 +25,11 @@ from train_gpt import (
     GPT,
     SIZES,
     GPTConfig,
+    HelpFormatter,
+    Progress,
     RandomWindows,
+    add_progress_arguments,
+    check_progress_arguments,
     load_stdlib_bytes,
     lr_lambda,
     pick_opt_level,
@@ -37,21 +41,35 @@ import distamp.fsdp
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--opt-level", choices=["auto", "O0", "O1", "O2", "O3"], default="auto")
-    parser.add_argument("--half-dtype", choices=["auto", "bf16", "fp16"], default="auto")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--data-mb", type=float, default=4.0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--opt-level",
+        choices=["auto", "O0", "O1", "O2", "O3"],
+        default="auto",
+        help="auto: O2, or O0 on a CPU without bf16 units",
+    )
+    parser.add_argument(
+        "--half-dtype",
+        choices=["auto", "bf16", "fp16"],
+        default="auto",
+        help="16-bit dtype; auto: bf16 on CPU, fp16 on CUDA",
+    )
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps in all")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step/rank")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--clip", type=float, default=1.0, help="max grad norm; 0 turns it off")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="save a checkpoint at the end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to start from")
-    return parser.parse_args()
+    add_progress_arguments(parser, log_every=5, run_name="gpt-fsdp-SIZE")
+    args = parser.parse_args()
+    check_progress_arguments(parser, args, run_name=f"gpt-fsdp-{args.size}")
+    return args
 
 
 def main() -> None:
@@ -86,6 +104,13 @@ def main() -> None:
             "of FP32 shards per rank",
             flush=True,
         )
+    progress = Progress(
+        args,
+        enabled=rank == 0,
+        first_step=first,
+        tokens_per_step=world * args.batch_size * args.seq_len,
+        line_width=4,
+    )
     times = []
     loss = torch.zeros(())
     for step in range(first, args.steps + 1):
@@ -100,22 +125,30 @@ def main() -> None:
         optimizer.zero_grad()
         scheduler.step()
         times.append(time.perf_counter() - start)
-        if step % args.log_every == 0 or step == args.steps:
+        st = distamp.stats(optimizer)
+        progress.step(step, st.last_step_skipped)
+        record = step % args.metrics_every == 0 or step == args.steps
+        line = step % args.log_every == 0 or step == args.steps
+        if record or line:
             dist.all_reduce(loss := loss.detach().clone(), op=dist.ReduceOp.AVG)
-            st = distamp.stats(optimizer)
-            if rank == 0:
-                print(
-                    f"step {step:4d} | loss {loss.item():.4f} | scale {st.loss_scales[0]:g} | "
-                    f"skipped {st.skipped_steps} | {times[-1] * 1e3:.1f} ms",
-                    flush=True,
-                )
+            values = dict(
+                loss=loss.item(),
+                loss_scale=st.loss_scales[0],
+                skipped=st.skipped_steps,
+                lr=scheduler.get_last_lr()[0],
+                step_s=times[-1],
+            )
+            if record:
+                progress.record(step, **values)
+            if line:
+                progress.line(step, **values)
+    progress.close()
     if args.ckpt_dir is not None:
         path = args.ckpt_dir / f"step_{args.steps:06d}"
         distamp.save_checkpoint(
             path, model, optimizer, extra={"step": args.steps, "scheduler": scheduler.state_dict()}
         )
-        if rank == 0:
-            print(f"saved {path}", flush=True)
+        progress.print(f"saved {path}")
     if rank == 0 and times:
         print(
             f"done: final loss {loss.item():.4f} | median step {statistics.median(times) * 1e3:.1f} ms"

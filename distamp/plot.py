@@ -1,0 +1,144 @@
+"""The picture of a training run: loss and loss scale over steps, skipped steps marked.
+
+Reads the ``metrics.jsonl`` a run writes (one JSON object per recorded step: ``step``, ``loss``,
+``loss_scale``, ``skipped``, ``skipped_steps``, ``tokens_per_s``, ``time``, ...) and draws
+``metrics.png`` next to it. matplotlib is optional (``pip install 'distamp[plot]'``); without it
+:func:`plot_run` raises an ``ImportError`` that says how to install it.
+
+    python -m distamp.plot runs/gpt-tiny                 # redraws runs/gpt-tiny/metrics.png
+    python -m distamp.plot runs/gpt-tiny -o loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+PICTURE = "metrics.png"
+INSTALL_HINT = "pip install matplotlib (or pip install 'distamp[plot]')"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """The recorded steps of one run, in step order."""
+
+    name: str
+    """The run folder's name."""
+    steps: list[int]
+    """Recorded steps."""
+    losses: list[float]
+    """Loss at each recorded step, averaged over the ranks."""
+    loss_scales: list[float]
+    """Loss scale after each recorded step."""
+    skipped_steps: list[int]
+    """Every step whose optimizer step was skipped (inf/NaN gradients)."""
+    tokens_per_s: list[float]
+    """Throughput of each recorded step, all ranks together."""
+
+
+def read_run(run_dir: str | Path) -> Run:
+    """The records of ``run_dir/metrics.jsonl``; a later record of a step replaces an earlier one.
+
+    A line that does not parse (a run killed while writing it) is left out.
+    """
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: expected the metrics of a training run")
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            float(row["loss"]), float(row["loss_scale"])
+            rows[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            continue
+    ordered = [rows[step] for step in sorted(rows)]
+    skipped: set[int] = set()
+    for row in ordered:
+        skipped.update(int(s) for s in row.get("skipped_steps", []))
+    return Run(
+        name=Path(run_dir).resolve().name,
+        steps=[int(row["step"]) for row in ordered],
+        losses=[float(row["loss"]) for row in ordered],
+        loss_scales=[float(row["loss_scale"]) for row in ordered],
+        skipped_steps=sorted(skipped),
+        tokens_per_s=[float(row.get("tokens_per_s", math.nan)) for row in ordered],
+    )
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/metrics.png``); its path.
+
+    Raises ``ImportError`` with the install command when matplotlib is missing.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(f"matplotlib is not installed: {INSTALL_HINT}") from error
+    run = read_run(run_dir)
+    target = Path(out) if out is not None else Path(run_dir) / PICTURE
+
+    # The object API (Figure + Agg canvas), not pyplot: no global figure state, no GUI backend.
+    fig = Figure(figsize=(8, 5.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    marker = "o" if len(run.steps) <= 40 else None
+    loss_ax.plot(run.steps, run.losses, color="tab:blue", marker=marker, markersize=3, lw=1.2)
+    loss_ax.set_ylabel("loss (mean over ranks)")
+    loss_ax.grid(alpha=0.3)
+    scale_ax.step(run.steps, run.loss_scales, where="post", color="tab:green", lw=1.2)
+    if run.loss_scales and min(run.loss_scales) > 0:
+        scale_ax.set_yscale("log", base=2)
+    scale_ax.set_ylabel("loss scale")
+    scale_ax.set_xlabel("optimizer step")
+    scale_ax.grid(alpha=0.3)
+    for i, step in enumerate(run.skipped_steps):
+        label = f"skipped step ({len(run.skipped_steps)} in all)" if i == 0 else None
+        for ax in (loss_ax, scale_ax):
+            ax.axvline(step, color="tab:red", alpha=0.5, lw=1, ls="--", label=label)
+            label = None
+    if run.skipped_steps:
+        loss_ax.legend(loc="upper right")
+    title = run.name
+    if run.steps:
+        rate = [r for r in run.tokens_per_s if math.isfinite(r)]
+        title += f": step {run.steps[-1]}, loss {run.losses[-1]:.4f}"
+        title += f", {len(run.skipped_steps)} skipped"
+        if rate:
+            title += f", median {sorted(rate)[len(rate) // 2]:,.0f} tokens/s"
+    loss_ax.set_title(title, fontsize=10)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial.png")
+    fig.savefig(partial)
+    partial.replace(target)  # a viewer never sees half a file
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distamp.plot RUN_DIR [-o OUT]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m distamp.plot", description="Redraw a run's loss and loss-scale picture."
+    )
+    parser.add_argument("run_dir", type=Path, help=f"folder holding {METRICS} (runs/NAME)")
+    parser.add_argument(
+        "-o", "--out", type=Path, default=None, help=f"image to write (default: RUN_DIR/{PICTURE})"
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = plot_run(args.run_dir, args.out)
+    except (ImportError, FileNotFoundError) as error:
+        print(f"error: {error}")
+        return 1
+    run = read_run(args.run_dir)
+    print(f"{path}: {len(run.steps)} recorded steps, {len(run.skipped_steps)} skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

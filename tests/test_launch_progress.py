@@ -1,0 +1,170 @@
+"""The example's progress, metrics and picture, the way a user sees them: a tqdm bar on a terminal,
+plain lines in a log file, nothing from other ranks, runs/NAME/metrics.jsonl and metrics.png, and
+``python -m distamp.plot`` redrawing it."""
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from distamp import plot
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+TINY = ["--size", "tiny", "--seq-len", "32", "--batch-size", "2", "--data-mb", "0.5"]
+TINY += ["--threads", "1", "--opt-level", "O0"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str] = ENV) -> str:
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_help_explains_every_flag_with_its_default():
+    for script in (SCRIPT, ROOT / "examples" / "train_gpt_fsdp.py"):
+        text = run([sys.executable, str(script), "--help"], cwd=ROOT)
+        # One entry per flag: from "  --flag" to the next entry, wrapped lines included.
+        entries = re.split(r"\n  (?=--)", text.split("\n\n", 2)[2])[1:]
+        flags = {e.split()[0].rstrip(",") for e in entries}
+        assert {"--steps", "--progress", "--log-every", "--run-dir", "--plot-every"} <= flags
+        for entry in entries:
+            body = " ".join(entry.split())
+            assert "default:" in body, f"{script.name}: {body}"
+
+
+def test_log_file_gets_plain_lines_from_rank_0_metrics_and_picture(tmp_path):
+    pytest.importorskip("matplotlib")
+    run_dir, ckpt = tmp_path / "runs" / "lines", tmp_path / "ckpt"
+    common = [str(SCRIPT), *TINY, "--run-dir", str(run_dir), "--ckpt-dir", str(ckpt)]
+    out = run(
+        [*torchrun(2), *common, "--steps", "6", "--log-every", "3", "--save-every", "4"], tmp_path
+    )
+    # stdout is a pipe: plain lines at --log-every and the last step, no bar, one rank speaking.
+    steps = [int(m) for m in re.findall(r"^step +(\d+) \| loss", out, flags=re.M)]
+    assert steps == [3, 6], out
+    assert out.count("GPT tiny:") == 1 and "%|" not in out and "eta " in out
+    assert f"picture: {run_dir / 'metrics.png'}" in out
+    recorded = rows(run_dir)
+    assert [r["step"] for r in recorded] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "loss_scale", "skipped", "skipped_steps", "tokens_per_s", "time"):
+        assert key in recorded[0], key
+    assert recorded[-1]["skipped"] == 0 and recorded[-1]["loss_scale"] == 1.0  # O0: static 1
+    assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC
+
+    # Resuming from step 4 keeps the history before it and replaces what came after.
+    resume = ["--resume", str(ckpt / "step_000004"), "--steps", "8", "--log-every", "8"]
+    out = run([*torchrun(2), *common, *resume], tmp_path)
+    assert "(step 4)" in out
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert plot.read_run(run_dir).steps == list(range(1, 9))
+
+
+def test_terminal_gets_one_tqdm_bar_with_loss_scale_skips_and_tokens_per_s(tmp_path):
+    main, replica = pty.openpty()
+    cmd = [*torchrun(2), str(SCRIPT), *TINY, "--steps", "5", "--run-dir", "none"]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=replica, stderr=replica, cwd=tmp_path, env=ENV
+    )
+    os.close(replica)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    code = proc.wait(timeout=300)
+    reader.join(timeout=30)
+    os.close(main)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert code == 0, screen[-5000:]
+    final = [line for line in re.split(r"[\r\n]", screen) if "5/5" in line]
+    assert final, screen[-3000:]
+    for field in ("loss ", "scale 1", "skipped 0", "tok/s", "step/s", "100%|"):
+        assert field in final[-1], (field, final[-1])
+    assert screen.count("GPT tiny:") == 1
+    assert not re.search(r"^step +\d+ \| loss", screen, flags=re.M)  # the bar replaces the lines
+
+
+def test_without_matplotlib_the_run_says_how_to_install_it_and_goes_on(tmp_path):
+    hidden = tmp_path / "no_matplotlib"
+    hidden.mkdir()
+    (hidden / "matplotlib.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(hidden), ENV.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "run"
+    out = run(
+        [sys.executable, str(SCRIPT), *TINY, "--steps", "2", "--run-dir", str(run_dir)],
+        tmp_path,
+        env,
+    )
+    assert "no plot: matplotlib is not installed: pip install matplotlib" in out
+    assert "done: 2 steps" in out
+    assert [r["step"] for r in rows(run_dir)] == [1, 2]
+    assert not (run_dir / "metrics.png").exists()
+
+
+def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "runs" / "fp16"
+    run_dir.mkdir(parents=True)
+    records = [
+        {"step": s, "loss": 5.0 - 0.1 * s, "loss_scale": 2.0**16, "skipped": 0, "skipped_steps": []}
+        for s in range(1, 6)
+    ]
+    records[2] |= {"loss_scale": 2.0**15, "skipped": 1, "skipped_steps": [3]}
+    # A resumed attempt wrote step 5 again; a killed writer left half a line.
+    records.append(records[4] | {"loss": 1.5, "tokens_per_s": 1000.0})
+    lines = [json.dumps(r) for r in records] + ['{"step": 6, "lo']
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    recorded = plot.read_run(run_dir)
+    assert recorded.steps == [1, 2, 3, 4, 5]
+    assert recorded.losses[-1] == 1.5 and recorded.skipped_steps == [3]
+    assert recorded.loss_scales[2] == 2.0**15
+
+    done = subprocess.run(
+        [sys.executable, "-m", "distamp.plot", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "5 recorded steps, 1 skipped" in done.stdout
+    assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC
+    assert plot.main([str(run_dir), "-o", str(tmp_path / "other.png")]) == 0
+    assert (tmp_path / "other.png").read_bytes()[:8] == PNG_MAGIC
+
+    assert plot.main([str(tmp_path / "nothing")]) == 1
+    assert "metrics.jsonl does not exist" in capsys.readouterr().out

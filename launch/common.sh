@@ -1,10 +1,14 @@
 # Sourced by the launch/ scripts: install, then pick the ranks and threads per rank.
 #   PY               the Python to run (PYTHON, default python3)
+#   SKIP_SETUP=1     skip scripts/setup.sh (nodes without internet: install once, e.g. on the
+#                    login node of a shared filesystem)
 #   NPROC            ranks on this node (default: one per GPU, else 2)
 #   OMP_NUM_THREADS  the cores split between the ranks (1 each when there are at least as many
 #                    ranks as cores); a value set by the caller wins
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
+    bash scripts/setup.sh
+fi
 PY=${PYTHON:-python3}
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [[ -z "${NPROC:-}" ]]; then

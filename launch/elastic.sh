@@ -19,5 +19,5 @@ if [[ $# -eq 0 ]]; then
 fi
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     --max-restarts="${MAX_RESTARTS:-2}" \
-    examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --save-every 10 \
-    --resume auto --fail-at-step "${FAIL_AT:-25}" "$@"
+    examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --run-dir "$CKPT" \
+    --save-every 10 --resume auto --fail-at-step "${FAIL_AT:-25}" "$@"

@@ -6,13 +6,18 @@
 #
 # CPU: gloo, one rank per NPROC (default 2). GPUs: NCCL, one rank per GPU unless NPROC says
 # otherwise. The script picks the backend itself (NCCL when CUDA is available, else gloo).
+# Rank 0 shows a progress bar (plain lines when stdout is not a terminal) and leaves
+# runs/main/metrics.jsonl and runs/main/metrics.png, the loss and loss scale over the steps
+# (python -m distamp.plot runs/main redraws it). Several machines: launch/multinode.sh, Slurm:
+# launch/slurm.sbatch.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 if [[ $# -eq 0 ]]; then
     # O2 (O0 on a CPU without bf16 units); a sharded checkpoint every 20 steps under runs/main
-    # (see launch/elastic.sh for resuming from them).
-    set -- --size small --steps 60 --log-every 10 --ckpt-dir runs/main --save-every 20 --resume none
+    # (see launch/elastic.sh for resuming from them), with the metrics and their picture.
+    set -- --size small --steps 60 --log-every 10 --ckpt-dir runs/main --save-every 20 \
+        --resume none --run-dir runs/main
 fi
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Multi-node training: one torchrun agent per node, all meeting at a rendezvous on the first node.
+#
+# Fixed membership, node ranks given (torchrun's static rendezvous: a c10d TCPStore on node 0):
+#   node0$ bash launch/multinode.sh --nnodes 2 --node-rank 0 --master node0 -- --size small
+#   node1$ bash launch/multinode.sh --nnodes 2 --node-rank 1 --master node0 -- --size small
+# Elastic (torchrun's c10d rendezvous: nodes join in any order, failed workers are restarted and
+# resume from the newest checkpoint; --nnodes 2:4 starts with 2 to 4 nodes):
+#   every node$ bash launch/multinode.sh --nnodes 2 --rdzv-id job42 --master node0 -- --size small
+#
+# Options (environment variable in brackets):
+#   --nnodes N|MIN:MAX    nodes in the job [NNODES] (default 1)
+#   --node-rank R         this node's rank, fixed membership [NODE_RANK]
+#   --rdzv-id ID          the job's name, elastic membership [RDZV_ID]
+#   --master HOST[:PORT]  the first node as every node reaches it [MASTER_ADDR, MASTER_PORT]
+#                         (port default 29500: the rendezvous store)
+#   --nproc N             ranks on this node [NPROC] (default: one per GPU, else 2)
+#   --iface NAME          network interface for gloo and NCCL [IFACE] (default: the one that
+#                         reaches --master, found with `ip`); exported as GLOO_SOCKET_IFNAME and
+#                         NCCL_SOCKET_IFNAME
+#   --max-restarts K      worker restarts [MAX_RESTARTS] (default 0 fixed, 3 elastic)
+#   -- ARGS               the rest goes to examples/train_gpt.py (default: a small GPT, 60 steps,
+#                         checkpoints and metrics in runs/multinode, --resume auto)
+# Backend: NCCL where this node has GPUs (one rank per GPU), gloo otherwise.
+#
+# Every node needs: this checkout at the same path and its Python environment (SKIP_SETUP=1 skips
+# the install, for nodes without internet), TCP from every node to --master's port and between
+# all nodes on any port (gloo/NCCL), iproute2's `ip` to find the interface (or --iface), and,
+# for --ckpt-dir and --resume, a filesystem every node shares (rank 0 writes metrics and pictures).
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
+
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-}
+RDZV_ID=${RDZV_ID:-}
+MASTER_ADDR=${MASTER_ADDR:-}
+MASTER_PORT=${MASTER_PORT:-29500}
+IFACE=${IFACE:-}
+MAX_RESTARTS=${MAX_RESTARTS:-}
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --nnodes) NNODES=$2; shift 2 ;;
+        --node-rank) NODE_RANK=$2; shift 2 ;;
+        --rdzv-id) RDZV_ID=$2; shift 2 ;;
+        --master)
+            MASTER_ADDR=${2%:*}
+            [[ "$2" == *:* ]] && MASTER_PORT=${2##*:}
+            shift 2 ;;
+        --nproc) NPROC=$2; shift 2 ;;
+        --iface) IFACE=$2; shift 2 ;;
+        --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
+        -h|--help) usage 0 ;;
+        --) shift; break ;;
+        *) echo "multinode.sh: unknown option '$1' (training arguments go after --)" >&2; usage 2 >&2 ;;
+    esac
+done
+if [[ -n "$NODE_RANK" && -n "$RDZV_ID" ]]; then
+    echo "multinode.sh: give --node-rank (fixed membership) or --rdzv-id (elastic), not both" >&2
+    exit 2
+fi
+if [[ -z "$NODE_RANK" && -z "$RDZV_ID" ]]; then
+    NODE_RANK=0
+    if [[ "$NNODES" != 1 ]]; then
+        echo "multinode.sh: with --nnodes $NNODES give --node-rank R or --rdzv-id ID" >&2
+        exit 2
+    fi
+fi
+if [[ -z "$MASTER_ADDR" ]]; then
+    [[ "$NNODES" == 1 ]] || { echo "multinode.sh: --master HOST is needed with --nnodes $NNODES" >&2; exit 2; }
+    MASTER_ADDR=127.0.0.1
+fi
+
+source "$(dirname "$0")/common.sh"
+
+# The interface that reaches the master: the master's own when it is this node's address, else
+# the route's. Left to gloo, the interface is the one the hostname resolves to, which another node
+# may not reach (a second NIC, a container's address).
+MASTER_IP=$MASTER_ADDR
+if [[ ! "$MASTER_ADDR" =~ ^[0-9.]+$ ]]; then
+    MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}')
+    [[ -n "$MASTER_IP" ]] || { echo "multinode.sh: cannot resolve --master $MASTER_ADDR" >&2; exit 2; }
+fi
+IS_MASTER=0
+LOCAL_ADDR=
+if command -v ip >/dev/null; then
+    if [[ -n "$(ip -o -4 addr show to "$MASTER_IP/32" 2>/dev/null)" ]]; then
+        IS_MASTER=1
+    fi
+    if [[ -z "$IFACE" ]]; then
+        IFACE=$(ip -o -4 addr show to "$MASTER_IP/32" | awk '{print $2; exit}')
+        [[ -n "$IFACE" ]] || IFACE=$(ip -o route get "$MASTER_IP" | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+    fi
+    LOCAL_ADDR=$(ip -o -4 addr show dev "$IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+elif [[ -z "$IFACE" ]]; then
+    echo "multinode.sh: no 'ip' command (iproute2) to find the interface: pass --iface" >&2
+fi
+if [[ -n "$IFACE" ]]; then
+    export GLOO_SOCKET_IFNAME=$IFACE NCCL_SOCKET_IFNAME=$IFACE
+fi
+BACKEND=gloo
+if (( GPUS > 0 )); then
+    BACKEND=nccl
+fi
+
+RDZV=()
+if [[ -n "$RDZV_ID" ]]; then
+    # c10d: the agent on the master's node hosts the store; say which one that is instead of
+    # letting torch guess from the hostname. Ranks go by the nodes' addresses (--local-addr).
+    RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_IP:$MASTER_PORT" --rdzv-id="$RDZV_ID"
+          --rdzv-conf="is_host=$IS_MASTER${RDZV_CONF:+,$RDZV_CONF}" --max-restarts="${MAX_RESTARTS:-3}")
+else
+    RDZV=(--node-rank="$NODE_RANK" --master-addr="$MASTER_IP" --master-port="$MASTER_PORT"
+          --max-restarts="${MAX_RESTARTS:-0}")
+fi
+if [[ -n "$LOCAL_ADDR" ]]; then
+    RDZV+=(--local-addr="$LOCAL_ADDR")
+fi
+if [[ $# -eq 0 ]]; then
+    set -- --size small --steps 60 --log-every 10 --ckpt-dir runs/multinode --save-every 20 \
+        --run-dir runs/multinode --resume auto
+fi
+echo "multinode.sh: $(hostname) | ${RDZV_ID:+elastic rendezvous $RDZV_ID, }nodes $NNODES${NODE_RANK:+, node rank $NODE_RANK}" \
+    "| master $MASTER_IP:$MASTER_PORT$( ((IS_MASTER)) && echo ' (this node)') | interface ${IFACE:-?}" \
+    "(${LOCAL_ADDR:-?}) | backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
+exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" \
+    examples/train_gpt.py --backend "$BACKEND" --threads "$OMP_NUM_THREADS" "$@"

@@ -1,0 +1,130 @@
+"""Weights loaded after wrap always reach the FP32 masters, unrounded: into the whole model, into a
+submodule, and in either order with the optimizer (see [Note: loading weights into the masters])."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from torch import nn
+from user_models import GPTConfig, NanoGPT
+
+import distamp
+
+
+def _masters_of(opt, model, name):
+    """The FP32 master values of parameter ``name`` that this rank holds (flat)."""
+    masters = opt._distamp.masters
+    param = dict(model.named_parameters())[name]
+    if not masters.sharded:
+        for p, m, separate in zip(*masters.columns(), strict=True):
+            if p is param:
+                assert separate
+                return m.detach().reshape(-1)
+    pieces = []
+    for layout, shard in zip(masters.groups, masters.shards, strict=True):
+        for index, src, count, dst in layout.pieces:
+            if layout.params[index] is param:
+                pieces.append((src, shard[dst : dst + count]))
+    return pieces
+
+
+def _build(shard, seed=0):
+    torch.manual_seed(seed)
+    model = NanoGPT(GPTConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step only copies masters to the model
+    return distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+
+
+def _step(model, opt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 61, (2, 16), generator=gen)
+    _, loss = model(idx, idx)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _submodule_load(rank, world, shard):
+    model, opt = _build(shard)
+    torch.manual_seed(7)
+    pretrained = NanoGPT(GPTConfig())  # other FP32 weights
+    name = "transformer.h.0.mlp.c_fc.weight"
+    block_state = pretrained.transformer.h[0].state_dict()
+    model.transformer.h[0].load_state_dict(block_state)
+    _step(model, opt)  # lr 0: the step writes the masters back into the model
+    loaded = block_state["mlp.c_fc.weight"]
+    return {
+        "model": model.transformer.h[0].mlp.c_fc.weight.detach().clone(),
+        "expected": loaded.to(torch.bfloat16),
+        "masters": _masters_of(opt, model, name),
+        "loaded": loaded.reshape(-1),
+    }
+
+
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)], ids=["replicated", "sharded"])
+def test_loading_a_submodule_reaches_the_masters_unrounded(shard, world):
+    covered = 0
+    for r in run_ranks(_submodule_load, world, shard, timeout=120):
+        assert torch.equal(r["model"], r["expected"])  # the step did not write old weights back
+        masters, loaded = r["masters"], r["loaded"]
+        if isinstance(masters, torch.Tensor):  # replicated: the whole FP32 master
+            assert torch.equal(masters, loaded)
+            covered = loaded.numel()
+            continue
+        for src, piece in masters:  # sharded: this rank's pieces of it
+            assert torch.equal(piece, loaded[src : src + piece.numel()])
+            covered += piece.numel()
+    assert covered == r["loaded"].numel()
+
+
+def _resume(rank, world, shard, order):
+    model, opt = _build(shard)
+    model.train()
+    for step in range(3):
+        _step(model, opt, step)
+    opt.param_groups[0]["lr"] = 0.05
+    for step in range(3, 5):
+        _step(model, opt, step)
+    model_state = copy.deepcopy(model.state_dict())  # FP32 copies of the half weights (apex)
+    opt_state = copy.deepcopy(opt.state_dict())
+    for step in range(5, 9):
+        _step(model, opt, step)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2 = _build(shard, seed=1)  # other initial weights: everything must come back
+    if order == "optimizer-first":
+        opt2.load_state_dict(opt_state)
+        model2.load_state_dict(model_state)
+    else:
+        model2.load_state_dict(model_state)
+        opt2.load_state_dict(opt_state)
+    for step in range(5, 9):
+        _step(model2, opt2, step)
+    return straight, [p.detach().clone() for p in model2.parameters()]
+
+
+@pytest.mark.parametrize("order", ["optimizer-first", "model-first"])
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)], ids=["replicated", "sharded"])
+def test_resuming_from_state_dicts_in_either_order_is_bit_exact(shard, world, order):
+    for straight, resumed in run_ranks(_resume, world, shard, order, timeout=120):
+        for p, q in zip(straight, resumed, strict=True):
+            assert torch.equal(p, q)
+
+
+def test_state_dict_of_an_o2_model_is_fp32_and_loads_into_a_plain_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    state = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert model[0].weight.dtype == torch.bfloat16  # the model itself stays half
+    assert model.state_dict(keep_vars=True)["0.weight"] is model[0].weight
+    plain.load_state_dict(state)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(plain(x), model(x), rtol=2e-2, atol=2e-2)
+    assert F.mse_loss(plain(x), model(x)).item() < 1e-3

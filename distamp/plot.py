@@ -71,6 +71,16 @@ def read_run(run_dir: str | Path) -> Run:
     )
 
 
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Means of each ``window`` consecutive values (``len(values) - window + 1`` of them)."""
+    total = sum(values[:window])
+    means = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        means.append(total / window)
+    return means
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/metrics.png``); its path.
 
@@ -89,7 +99,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     FigureCanvasAgg(fig)
     loss_ax, scale_ax = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     marker = "o" if len(run.steps) <= 40 else None
-    loss_ax.plot(run.steps, run.losses, color="tab:blue", marker=marker, markersize=3, lw=1.2)
+    window = len(run.steps) // 20
+    if window >= 3:  # noisy per-step losses: the raw curve light, a running mean over it
+        loss_ax.plot(run.steps, run.losses, color="tab:blue", alpha=0.35, lw=0.8, label="loss")
+        loss_ax.plot(
+            run.steps[window - 1 :],
+            running_mean(run.losses, window),
+            color="tab:blue",
+            lw=1.8,
+            label=f"mean of the last {window} records",
+        )
+    else:
+        loss_ax.plot(run.steps, run.losses, color="tab:blue", marker=marker, markersize=3, lw=1.2)
     loss_ax.set_ylabel("loss (mean over ranks)")
     loss_ax.grid(alpha=0.3)
     scale_ax.step(run.steps, run.loss_scales, where="post", color="tab:green", lw=1.2)
@@ -103,8 +124,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         for ax in (loss_ax, scale_ax):
             ax.axvline(step, color="tab:red", alpha=0.5, lw=1, ls="--", label=label)
             label = None
-    if run.skipped_steps:
-        loss_ax.legend(loc="upper right")
+    if run.skipped_steps or window >= 3:
+        loss_ax.legend(loc="upper right", fontsize=9)
     title = run.name
     if run.steps:
         rate = [r for r in run.tokens_per_s if math.isfinite(r)]

@@ -166,5 +166,13 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
     assert plot.main([str(run_dir), "-o", str(tmp_path / "other.png")]) == 0
     assert (tmp_path / "other.png").read_bytes()[:8] == PNG_MAGIC
 
+    # Many records: a running mean is drawn over the raw losses.
+    assert plot.running_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
+    long_run = tmp_path / "runs" / "long"
+    long_run.mkdir()
+    lines = [json.dumps({"step": s, "loss": 1 / s, "loss_scale": 1.0}) for s in range(1, 81)]
+    (long_run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert plot.plot_run(long_run).read_bytes()[:8] == PNG_MAGIC
+
     assert plot.main([str(tmp_path / "nothing")]) == 1
     assert "metrics.jsonl does not exist" in capsys.readouterr().out

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import HALF_DTYPES
@@ -451,7 +452,9 @@ class AmpOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"distamp"``: masters, scalers, step counters.
 
-        Plain tensors and numbers only; loads with ``torch.load(weights_only=True)``.
+        Plain tensors and numbers only; loads with ``torch.load(weights_only=True)``. With sharded
+        masters it holds this rank's shard (and says which): each rank saves and loads its own,
+        at the same world size; :func:`distamp.save_checkpoint` writes one checkpoint for all.
         """
         out = super().state_dict()
         st = self._distamp
@@ -461,47 +464,97 @@ class AmpOptimizer(torch.optim.Optimizer):
             "skipped_steps": st.skipped_steps,
             "scalers": [s.state_dict() for s in st.group.scalers],
             "properties": st.group.props.as_plain_dict(),
+            "shard": _shard_of(st),
         }
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output: inner state, FP32 masters, scalers, counters."""
+        """Restore :meth:`state_dict`'s output: inner state, FP32 masters, scalers, counters.
+
+        With sharded masters a collective over the wrapped process group: every rank checks its
+        state dict first and all of them raise, naming the rank, if one does not fit (nothing is
+        changed then); the updated weights are gathered after.
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("distamp", None)
         st = self._distamp
-        if extra is None:
-            raise ValueError(
-                "optimizer.load_state_dict: expected a state dict saved from a distamp-wrapped "
-                "optimizer (with a 'distamp' entry), got one without it"
-            )
+        error = None
+        try:
+            _check_loadable(extra, st)
+        except ValueError as exc:
+            error = str(exc)
+        group = st.group.process_group
+        if st.masters.sharded and group is not None and dist.get_world_size(group) > 1:
+            errors: list[str | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(errors, error, group=group)
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if failed:
+                raise ValueError("; ".join(f"rank {r}: {e}" for r, e in failed))
+        elif error is not None:
+            raise ValueError(error)
+        assert extra is not None
         masters = st.masters.master_tensors()
-        saved = extra["masters"]
-        if len(saved) != len(masters):
-            raise ValueError(
-                f"optimizer.load_state_dict: expected {len(masters)} FP32 master tensors, "
-                f"found {len(saved)}"
-            )
-        for i, (mine, theirs) in enumerate(zip(masters, saved, strict=True)):
-            if mine.shape != theirs.shape:
-                raise ValueError(
-                    f"optimizer.load_state_dict: master {i} has shape {tuple(mine.shape)} here, "
-                    f"{tuple(theirs.shape)} in the state dict"
-                )
-        scalers = extra["scalers"]
-        if len(scalers) != len(st.group.scalers):
-            raise ValueError(
-                f"optimizer.load_state_dict: expected {len(st.group.scalers)} loss scalers "
-                f"(num_losses), found {len(scalers)}"
-            )
         super().load_state_dict(state_dict)
         with torch.no_grad():
-            for mine, theirs in zip(masters, saved, strict=True):
+            for mine, theirs in zip(masters, extra["masters"], strict=True):
                 mine.copy_(theirs)
-        for scaler, saved_scaler in zip(st.group.scalers, scalers, strict=True):
+        for scaler, saved_scaler in zip(st.group.scalers, extra["scalers"], strict=True):
             scaler.load_state_dict(saved_scaler)
         st.steps = int(extra["steps"])
         st.skipped_steps = int(extra["skipped_steps"])
         st.masters.copy_to_model()
+
+
+def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:
+    """Which shard of the masters a state dict holds (None: all of them, replicated)."""
+    if not st.masters.sharded:
+        return None
+    group = st.group.process_group
+    world = dist.get_world_size(group) if group is not None else 1
+    return {"rank": dist.get_rank(group) if group is not None else 0, "world_size": world}
+
+
+def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None:
+    where = "optimizer.load_state_dict"
+    if extra is None:
+        raise ValueError(
+            f"{where}: expected a state dict saved from a distamp-wrapped optimizer (with a "
+            "'distamp' entry), got one without it"
+        )
+    mine, theirs = _shard_of(st), extra.get("shard")
+    if "shard" in extra and mine != theirs:  # (state dicts of distamp 0.1 do not say)
+
+        def show(shard: dict[str, int] | None) -> str:
+            if shard is None:
+                return "all FP32 masters (replicated)"
+            return (
+                f"rank {shard['rank']}'s shard of the FP32 masters of {shard['world_size']} ranks"
+            )
+
+        raise ValueError(
+            f"{where}: the state dict holds {show(theirs)}, this optimizer needs {show(mine)}: "
+            "with sharded masters every rank saves and loads its own optimizer.state_dict() at "
+            "the same world size; use distamp.save_checkpoint/load_checkpoint (one checkpoint, any "
+            "world size), or wrap with shard_master_weights=False to keep saving rank 0's "
+            "optimizer.state_dict() for all ranks"
+        )
+    masters = st.masters.master_tensors()
+    saved = extra["masters"]
+    if len(saved) != len(masters):
+        raise ValueError(
+            f"{where}: expected {len(masters)} FP32 master tensors, found {len(saved)}"
+        )
+    for i, (m, t) in enumerate(zip(masters, saved, strict=True)):
+        if m.shape != t.shape:
+            raise ValueError(
+                f"{where}: master {i} has shape {tuple(m.shape)} here, {tuple(t.shape)} in the "
+                "state dict"
+            )
+    if len(extra["scalers"]) != len(st.group.scalers):
+        raise ValueError(
+            f"{where}: expected {len(st.group.scalers)} loss scalers (num_losses), found "
+            f"{len(extra['scalers'])}"
+        )
 
 
 def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:

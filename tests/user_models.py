@@ -272,5 +272,9 @@ class TinyLlama(nn.Module):
         logits = self.lm_head(self.norm(hidden_states)).float()
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+            shift_logits = logits[..., :-1, :].contiguous()
+            shift_labels = labels[..., 1:].contiguous()
+            loss = F.cross_entropy(
+                shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1)
+            )
         return {"loss": loss, "logits": logits}

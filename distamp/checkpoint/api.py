@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..optim import OptState
+from ..optim import OptState, inner_optimizer
 from . import files
 from .files import CheckpointError, agree
 from .state import (
@@ -62,7 +62,8 @@ class _Target:
 
     def __init__(self, model: Any, optimizer: Any, what: str) -> None:
         raw_models = list(model) if isinstance(model, (list, tuple)) else [model]
-        raw_opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        raw_opts = [inner_optimizer(o) or o for o in given]  # optimizer wrappers: their inner one
         for i, m in enumerate(raw_models):
             if not isinstance(m, nn.Module):
                 raise TypeError(

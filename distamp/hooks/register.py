@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives import backend_device
-from ..optim import AmpOptimizer
+from ..optim import AmpOptimizer, inner_optimizer
 from .compress import CompressState, bf16_compress_hook, fp16_compress_hook
 
 _DISABLED = "_distamp_disabled"
@@ -43,6 +43,7 @@ def register(
             "distamp.hooks.register: this DistributedDataParallel model already has a comm hook "
             "(DDP allows one); register once, right after constructing DDP"
         )
+    optimizer = inner_optimizer(optimizer) or optimizer  # an optimizer wrapper (apex's LARC)
     if getattr(optimizer, _DISABLED, None) is not None:
         return None
     if not isinstance(optimizer, AmpOptimizer):

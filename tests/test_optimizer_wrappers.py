@@ -1,0 +1,120 @@
+"""Optimizer wrappers that read gradients inside their own ``step`` (apex's LARC pattern) see the
+true, unscaled gradients when handed to ``wrap`` (see [Note: optimizer wrappers])."""
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models import GradProbe
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+
+
+class TrustRatio:
+    """A user's LARC-style wrapper: per-parameter trust ratio computed from the gradient norm in
+    ``step``, then the inner optimizer's step. Not a torch.optim.Optimizer subclass (as apex's)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, eta: float = 0.02) -> None:
+        self.optim = optimizer
+        self.eta = eta
+        self.seen_grad_norms: list[float] = []
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optim.load_state_dict(state_dict)
+
+    def step(self):
+        with torch.no_grad():
+            for group in self.optim.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    grad_norm = torch.norm(p.grad)
+                    self.seen_grad_norms.append(grad_norm.item())
+                    p.grad.mul_(self.eta * torch.norm(p) / (grad_norm + 1e-8))
+        self.optim.step()
+
+
+G = torch.tensor([0.5, -1.0, 0.25, 2.0])
+
+
+def _run(rank, world, level):
+    model = GradProbe(4)
+    nn.init.ones_(model.w)
+    opt = TrustRatio(torch.optim.SGD(model.parameters(), lr=1.0))
+    model, returned = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    assert returned is opt and isinstance(opt, TrustRatio)  # identity kept
+    for _ in range(2):
+        with distamp.scale_loss(model(G).float(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "norms": opt.seen_grad_norms,
+        "w": model.w.detach().float(),
+        "stats": distamp.stats(opt),
+    }
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_a_wrapper_reads_unscaled_gradients_in_its_step(level):
+    (r,) = run_ranks(_run, 1, level)
+    assert r["norms"] == [pytest.approx(G.norm().item(), rel=1e-2)] * 2
+    # each step moves w by eta * |w| along -g/|g|: the trust ratio saw the true gradient
+    assert r["w"].norm().item() < 2.0 and r["stats"].steps == 2 and r["stats"].skipped_steps == 0
+
+
+def _with_ddp_and_checkpoint(rank, world, directory):
+    model = GradProbe(4)
+    nn.init.ones_(model.w)
+    opt = TrustRatio(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=False, verbosity=0)
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt)
+    for _ in range(2):
+        with distamp.scale_loss(ddp(G).float(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, model, opt)
+    saved = model.w.detach().clone()
+    with distamp.scale_loss(ddp(G).float(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    distamp.load_checkpoint(directory, model, opt)
+    return torch.equal(model.w, saved)
+
+
+def test_hooks_and_checkpoints_take_the_wrapper_the_user_holds(tmp_path):
+    assert run_ranks(_with_ddp_and_checkpoint, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def _sharded(rank, world):
+    model = GradProbe(4)
+    opt = TrustRatio(torch.optim.SGD(model.parameters(), lr=1.0))
+    try:
+        distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    except ValueError as exc:
+        return str(exc)
+    return "wrapped"
+
+
+def test_sharded_masters_refuse_a_wrapper_that_reads_per_parameter_gradients():
+    for message in run_ranks(_sharded, 2):
+        assert "TrustRatio wraps an optimizer" in message
+        assert "shard_master_weights=False" in message

@@ -256,7 +256,12 @@ class MasterParams(ModelGrads):
                 master.copy_(merge_loaded(master, value.to(master.device), param.dtype))
 
     def _index(self) -> dict[int, int]:
-        return {id(p): i for i, p in enumerate(self.model_params)}
+        """id(model parameter) -> its position (rebuilt when a group is added)."""
+        cached: dict[int, int] | None = getattr(self, "_position", None)
+        if cached is None or len(cached) != len(self.model_params):
+            cached = {id(p): i for i, p in enumerate(self.model_params)}
+            self._position = cached
+        return cached
 
     def separate_params(self) -> list[nn.Parameter]:
         return [p for p, s in zip(self.model_params, self.separate, strict=True) if s]

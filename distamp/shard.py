@@ -317,13 +317,22 @@ class ShardedMasterParams(ModelGrads):
         the masters]."""
         flat_value = value.detach().reshape(-1)
         with torch.no_grad():
-            for layout, shard in zip(self.groups, self.shards, strict=True):
+            for g, src, count, dst in self._pieces_of().get(id(param), []):
+                piece = self.shards[g][dst : dst + count]
+                loaded = flat_value[src : src + count].to(piece.device)
+                piece.copy_(merge_loaded(piece, loaded, param.dtype))
+
+    def _pieces_of(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """id(model parameter) -> (group, first element in it, count, first element in the
+        shard) of each piece this rank holds (rebuilt when a group is added)."""
+        cached: dict[int, list[tuple[int, int, int, int]]] | None = getattr(self, "_where", None)
+        if cached is None or getattr(self, "_where_groups", -1) != len(self.groups):
+            cached = {}
+            for g, layout in enumerate(self.groups):
                 for index, src, count, dst in layout.pieces:
-                    if layout.params[index] is not param:
-                        continue
-                    piece = shard[dst : dst + count]
-                    loaded = flat_value[src : src + count].to(shard.device)
-                    piece.copy_(merge_loaded(piece, loaded, param.dtype))
+                    cached.setdefault(id(layout.params[index]), []).append((g, src, count, dst))
+            self._where, self._where_groups = cached, len(self.groups)
+        return cached
 
     def layout(self) -> list[list[ParamRange]]:
         """Per group, where each parameter lives in the flat buffer (what resharding needs)."""

@@ -154,13 +154,26 @@ def load_state_dict(state: dict[str, Any]) -> None:
 # -- per-function precision -----------------------------------------------------------------------
 
 
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    """The first tensor among ``values``, looking into lists, tuples and dicts (apex cast a list
+    of tensors as one argument: ``torch.cat``-like functions)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple, dict)):
+            found = _first_tensor(value.values() if isinstance(value, dict) else value)
+            if found is not None:
+                return found
+    return None
+
+
 def _autocast_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The device type whose autocast is on, judged from the first tensor argument."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            device = value.device.type
-            return device if torch.is_autocast_enabled(device) else None
-    return None
+    tensor = _first_tensor((*args, *kwargs.values()))
+    if tensor is None:
+        return None
+    device = tensor.device.type
+    return device if torch.is_autocast_enabled(device) else None
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -176,8 +189,8 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 def _widest(values: Any) -> torch.dtype | None:
     widest: torch.dtype | None = None
     for value in values:
-        if isinstance(value, (list, tuple)):
-            inner = _widest(value)
+        if isinstance(value, (list, tuple, dict)):
+            inner = _widest(value.values() if isinstance(value, dict) else value)
             candidates = [inner] if inner is not None else []
         elif isinstance(value, torch.Tensor) and value.is_floating_point():
             candidates = [value.dtype]
@@ -230,9 +243,11 @@ def _register(module: Any, name: str, decorator: Callable[[F], F], what: str) ->
             f"`{name} = amp.{what.replace('register_', '')}({module_name}.{name})` and use "
             f"`{name}(...)` where you called `{module_name}.{name}(...)`"
         )
-    original = getattr(module, name, None)
+    if not hasattr(module, name):  # apex raised ValueError("No function named ...") here too
+        raise ValueError(f"amp.{what}: expected a function named {name!r} in {module_name}")
+    original = getattr(module, name)
     if not callable(original):
-        raise AttributeError(
+        raise TypeError(
             f"amp.{what}: expected {module_name}.{name} to be a function, found "
             f"{type(original).__name__}"
         )

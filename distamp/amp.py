@@ -22,13 +22,14 @@ write instead.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from .optim import AmpOptimizer, OptState
+from .optim import AmpOptimizer, OptState, inner_optimizer
 from .scaler import ScalerGroup
 from .wrap import scale_loss as _scale_loss
 from .wrap import unscale_, wrap
@@ -100,17 +101,27 @@ def scale_loss(
     return _scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
 
 
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The FP32 tensors ``optimizer`` steps, with their *unscaled* gradients.
 
     apex unscaled into the masters when ``scale_loss`` ended, and scripts clip here:
     ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)``. distamp unscales
-    (and takes the global skip decision, a collective) when this is first read after a backward.
+    (and takes the global skip decision, a collective: call it on every rank) when this is first
+    called after a backward. An optimizer wrapper (apex's LARC) gives its inner optimizer's masters.
     """
-    if isinstance(optimizer, AmpOptimizer) and optimizer._distamp.state is OptState.SCALED:
-        unscale_(optimizer)
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    inner = inner_optimizer(optimizer)
+    if isinstance(inner, AmpOptimizer):
+        if inner._distamp.masters.sharded:
+            warnings.warn(
+                "amp.master_params: the FP32 masters are sharded across ranks "
+                "(shard_master_weights=True), so this rank yields only its shard and a norm over "
+                "them is this rank's alone; clip with distamp.clip_grad_norm_(optimizer, max_norm) "
+                "(the global norm), or leave shard_master_weights off as apex did",
+                stacklevel=2,
+            )
+        if inner._distamp.state is OptState.SCALED:
+            unscale_(inner)
+    return iter([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:

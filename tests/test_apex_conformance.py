@@ -551,9 +551,11 @@ def multi_run(
     fused=False,
     inject_on_rank=None,
     rank=0,
+    **options,
 ):
     """One run of apex's loop. ``level=None`` is the FP32 reference, which skips by hand exactly
-    the optimizers apex expects to skip: those passed to the scale_loss of the overflowed loss."""
+    the optimizers apex expects to skip: those passed to the scale_loss of the overflowed loss.
+    ``options`` go to amp.initialize (``keep_fp32_model=1`` keeps models[1] FP32)."""
     groups, momenta, loss_models, loss_opts = SCENARIOS[scenario]
     models = [Pair(u) for u in (1, 2, 3)][: 1 + max(m for ms in loss_models for m in ms)]
     opts = [
@@ -569,6 +571,9 @@ def multi_run(
     master_grads = []
     if level is not None:
         kw = {} if cast is None else {"cast_model_type": cast}
+        if "keep_fp32_model" in options:
+            kw["keep_fp32_modules"] = [models[options.pop("keep_fp32_model")]]
+        kw.update(options)
         models, opts = amp.initialize(
             models, opts, opt_level=level, num_losses=num_losses, verbosity=0, **kw
         )
@@ -600,7 +605,9 @@ def multi_run(
     return params, masters, master_grads, skipped
 
 
-def check_multi(scenario, inject, got, reference, half):
+def check_multi(scenario, inject, got, reference, half, sharded=False):
+    """Skips as apex expects, the model as the FP32 reference; with replicated masters also the
+    unscaled master gradients of every unskipped step and the masters themselves."""
     params, masters, grads, skipped = got
     ref_params, _, ref_grads, _ = reference
     n_opts = len(SCENARIOS[scenario][0])
@@ -609,11 +616,13 @@ def check_multi(scenario, inject, got, reference, half):
         for o in SCENARIOS[scenario][3][inject[1]]:
             want_skips[o] = 1
     assert skipped == want_skips, inject
+    for p, r in zip(params, ref_params, strict=True):
+        close(p, r, half)
+    if sharded:  # amp.master_params yields this rank's shard only
+        return
     for step_grads, ref_step in zip(grads, ref_grads, strict=True):  # unscaled master grads
         for g, r in zip(step_grads, ref_step, strict=True):
             close(g, r, half)
-    for p, r in zip(params, ref_params, strict=True):
-        close(p, r, half)
     for p, m in zip(params, masters, strict=True):
         assert torch.equal(p, m.to(p.dtype))  # the model holds its masters, rounded
 
@@ -634,34 +643,65 @@ def test_multiple_models_optimizers_losses_apex_matrix(scenario, level, num_loss
             check_multi(scenario, inject, got, reference, half=False)
 
 
+@pytest.mark.parametrize("keep_fp32", [False, True], ids=["all_bf16", "model1_fp32"])
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_sgd"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_multiple_models_with_the_models_cast_to_bf16(scenario, fused):
-    """O2 with its default cast (FP32 masters) and torch's fused SGD in place of apex's FusedSGD."""
+def test_multiple_models_with_the_models_cast_to_bf16(scenario, fused, keep_fp32):
+    """O2 with its default cast (FP32 masters), and torch's fused SGD in place of apex's FusedSGD.
+    With models[1] kept FP32 an optimizer mixes parameters with masters and FP32 parameters that
+    are their own masters, as apex's MyModel (one FP16, one FP32 weight) did."""
+    options = {"keep_fp32_model": 1} if keep_fp32 else {}
     for inject in injections(scenario)[::3]:
         reference = multi_run(scenario, inject, fused=fused)
-        got = multi_run(scenario, inject, level="O2", num_losses=2, fused=fused)
+        got = multi_run(scenario, inject, level="O2", num_losses=2, fused=fused, **options)
         check_multi(scenario, inject, got, reference, half=True)
 
 
-def _multi_on_ranks(rank, world, scenario, cases):
-    out = []
-    for inject in cases:
-        got = multi_run(scenario, inject, level="O2", num_losses=2, inject_on_rank=1, rank=rank)
-        out.append(got)
-    return out
+def _multi_on_ranks(rank, world, scenario, cases, shard):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = [
+            multi_run(
+                scenario,
+                inject,
+                level="O2",
+                num_losses=2,
+                inject_on_rank=1,
+                rank=rank,
+                shard_master_weights=shard,
+            )
+            for inject in cases
+        ]
+    warned = any(
+        "amp.master_params: the FP32 masters are sharded" in str(w.message) for w in caught
+    )
+    masters = [sum(m.numel() for m in run[1]) for run in runs]
+    return runs, warned, masters
 
 
-def test_an_inf_on_one_rank_skips_the_same_optimizers_on_every_rank():
-    """apex decided per process; distamp's decision is global: rank 0 sees no inf and skips too."""
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_an_inf_on_one_rank_skips_the_same_optimizers_on_every_rank(shard):
+    """apex decided per process; distamp's decision is global: rank 0 sees no inf and skips too.
+    amp.initialize replicates the masters as apex did; sharding them is one option away."""
     scenario = "3models2losses2optimizers"
     cases = injections(scenario)[1::2]
-    per_rank = run_ranks(_multi_on_ranks, 2, scenario, cases)
-    for inject, got0, got1 in zip(cases, *per_rank, strict=True):
-        check_multi(scenario, inject, got0, multi_run(scenario, inject), half=True)
+    (runs0, warned0, numel0), (runs1, warned1, numel1) = run_ranks(
+        _multi_on_ranks, 2, scenario, cases, shard
+    )
+    for inject, got0, got1 in zip(cases, runs0, runs1, strict=True):
+        reference = multi_run(scenario, inject)
+        for got in (got0, got1):
+            check_multi(scenario, inject, got, reference, half=True, sharded=shard)
         for a, b in zip(got0[0], got1[0], strict=True):
             assert torch.equal(a, b)
-        assert got0[3] == got1[3]
+    # Sharded, each rank's amp.master_params holds its part of the masters, and says so once.
+    total = sum(p.numel() for p in multi_run(scenario, None)[0])
+    if shard:
+        assert (warned0, warned1) == (True, True)
+        assert [a + b for a, b in zip(numel0, numel1, strict=True)] == [total] * len(cases)
+    else:
+        assert (warned0, warned1) == (False, False)
+        assert numel0 == numel1 == [total] * len(cases)
 
 
 # -- test_checkpointing.py --------------------------------------------------------------------------
@@ -978,6 +1018,31 @@ def test_larc_mixed_precision(level, weight_decay):
         **(dict(rtol=2e-2, atol=0) if half else {}),
     )
     close(model.weight0, ref_model.weight0, half)
+
+
+def test_larc_with_clipping_through_master_params():
+    """apex scripts clip amp.master_params(optimizer) with the LARC wrapper they hold."""
+    runs = []
+    for level in (None, "O2"):
+        model = Single(1)
+        optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.25))
+        if level is not None:
+            model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = 10 * model(X)
+            if level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+            norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+            optimizer.step()
+        runs.append((norm, model.weight0.detach().float(), optimizer.grad_norms))
+    (ref_norm, ref_weight, ref_seen), (norm, weight, seen) = runs
+    close(norm, ref_norm, half=True)  # the unscaled norm, not 2**16 times it
+    close(torch.tensor(seen), torch.tensor(ref_seen), half=True)  # LARC read the clipped grads
+    close(weight, ref_weight, half=True)
 
 
 def test_larc_step_is_skipped_on_overflow():

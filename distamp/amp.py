@@ -13,10 +13,11 @@ module; the rest of distamp has no module-level state — remembers the scalers 
 entry, as in apex; use :func:`distamp.wrap` and ``optimizer.state_dict()`` to hold several.
 
 Differences from apex that a script can notice: gradients are unscaled at ``optimizer.step()``
-(or when :func:`master_params` is read, which is where apex scripts clip), not at the end of the
-``scale_loss`` block; masters are replicated (``shard_master_weights=False``) as apex's were;
-``register_*_function`` refuses torch's own modules (distamp never patches torch) and says what to
-write instead.
+(or when :func:`master_params` is called, which is where apex scripts clip; on every rank: it takes
+the global skip decision), not at the end of the ``scale_loss`` block; masters are replicated
+(``shard_master_weights=False``) as apex's were; ``register_*_function`` refuses torch's own
+modules (distamp never patches torch) and says what to write instead. tests/test_apex_conformance.py
+holds apex's own amp tests rewritten against this module.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import itertools
 import random
 import sys
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -601,29 +602,43 @@ def multi_run(
                 opt.step()
     params = [p.detach().clone() for m in models for p in m.parameters()]
     masters = [p.detach().clone() for o in opts for p in amp.master_params(o)]
-    skipped = [distamp.stats(o).skipped_steps for o in opts] if level is not None else None
-    return params, masters, master_grads, skipped
+    if level is None:
+        return MultiRun(params, masters, master_grads, None, None)
+    skipped = [distamp.stats(o).skipped_steps for o in opts]
+    scales = [s["loss_scale"] for s in amp.state_dict().values()]
+    return MultiRun(params, masters, master_grads, skipped, scales)
+
+
+class MultiRun(NamedTuple):
+    params: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    master_grads: list[list[torch.Tensor]]
+    """The unscaled gradients amp.master_params held at each unskipped iteration."""
+    skipped: list[int] | None
+    """Skipped steps of each optimizer."""
+    loss_scales: list[float] | None
 
 
 def check_multi(scenario, inject, got, reference, half, sharded=False):
     """Skips as apex expects, the model as the FP32 reference; with replicated masters also the
     unscaled master gradients of every unskipped step and the masters themselves."""
-    params, masters, grads, skipped = got
-    ref_params, _, ref_grads, _ = reference
     n_opts = len(SCENARIOS[scenario][0])
     want_skips = [0] * n_opts
+    want_scales = [4.0, 16.0][: len(got.loss_scales)]  # as set_loss_scales left them
     if inject is not None:
         for o in SCENARIOS[scenario][3][inject[1]]:
             want_skips[o] = 1
-    assert skipped == want_skips, inject
-    for p, r in zip(params, ref_params, strict=True):
+        want_scales[inject[1] if len(want_scales) == 2 else 0] /= 2  # only the overflowed loss's
+    assert got.skipped == want_skips, inject
+    assert got.loss_scales == want_scales, inject
+    for p, r in zip(got.params, reference.params, strict=True):
         close(p, r, half)
     if sharded:  # amp.master_params yields this rank's shard only
         return
-    for step_grads, ref_step in zip(grads, ref_grads, strict=True):  # unscaled master grads
+    for step_grads, ref_step in zip(got.master_grads, reference.master_grads, strict=True):
         for g, r in zip(step_grads, ref_step, strict=True):
             close(g, r, half)
-    for p, m in zip(params, masters, strict=True):
+    for p, m in zip(got.params, got.masters, strict=True):
         assert torch.equal(p, m.to(p.dtype))  # the model holds its masters, rounded
 
 
@@ -675,7 +690,7 @@ def _multi_on_ranks(rank, world, scenario, cases, shard):
     warned = any(
         "amp.master_params: the FP32 masters are sharded" in str(w.message) for w in caught
     )
-    masters = [sum(m.numel() for m in run[1]) for run in runs]
+    masters = [sum(m.numel() for m in run.masters) for run in runs]
     return runs, warned, masters
 
 
@@ -692,10 +707,10 @@ def test_an_inf_on_one_rank_skips_the_same_optimizers_on_every_rank(shard):
         reference = multi_run(scenario, inject)
         for got in (got0, got1):
             check_multi(scenario, inject, got, reference, half=True, sharded=shard)
-        for a, b in zip(got0[0], got1[0], strict=True):
+        for a, b in zip(got0.params, got1.params, strict=True):
             assert torch.equal(a, b)
     # Sharded, each rank's amp.master_params holds its part of the masters, and says so once.
-    total = sum(p.numel() for p in multi_run(scenario, None)[0])
+    total = sum(p.numel() for p in multi_run(scenario, None).params)
     if shard:
         assert (warned0, warned1) == (True, True)
         assert [a + b for a, b in zip(numel0, numel1, strict=True)] == [total] * len(cases)

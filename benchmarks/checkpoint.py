@@ -147,6 +147,7 @@ def worker(rank: int, world: int, init: str, root: str, params_m: float, repeats
             },
         }
         Path(out).write_text(json.dumps(summary, indent=2))
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

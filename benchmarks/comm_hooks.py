@@ -104,6 +104,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             json.dump(
                 {"params": params, "world": world, "backend": dist.get_backend(), "rows": rows}, f
             )
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

@@ -213,6 +213,7 @@ def worker(rank: int, world: int, rdzv: str, config: str, opts: dict[str, Any], 
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

@@ -104,6 +104,7 @@ def memory_worker(rank, world, rdzv, config, params_m, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 
@@ -144,6 +145,7 @@ def time_worker(rank, world, rdzv, params_m, steps, out):
                 },
                 f,
             )
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

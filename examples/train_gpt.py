@@ -791,6 +791,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     if backend is not None:
+        dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
         dist.destroy_process_group()
 
 

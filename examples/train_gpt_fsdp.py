@@ -153,6 +153,7 @@ def main() -> None:
         print(
             f"done: final loss {loss.item():.4f} | median step {statistics.median(times) * 1e3:.1f} ms"
         )
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,6 +34,12 @@ def _entry(
         )
         try:
             result = fn(rank, world_size, *args)
+            # gloo aborts a rank that tears down while a peer still runs; a rank whose peer
+            # failed must not wait for it forever.
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            except RuntimeError:
+                pass
         finally:
             dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, result_path)

@@ -73,6 +73,7 @@ def _nccl_worker(rank, world, init_file, out):
         {"params": [p.detach().cpu() for p in model.parameters()], "stats": distamp.stats(opt)},
         os.path.join(out, f"{rank}.pt"),
     )
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 
@@ -105,6 +106,7 @@ def _nccl_hooks_worker(rank, world, init_file, out):
         model(g).backward()
         results[name] = model.module.w.grad.cpu()
     torch.save(results, os.path.join(out, f"{rank}.pt"))
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 
@@ -135,6 +137,7 @@ def _fsdp_worker(rank, world, init_file, api, out):
     _train(model, opt, data(20, 8), f"cuda:{rank}", rank, world, inject=(5, world - 1))
     stats = distamp.stats(opt)
     torch.save({"skipped": stats.skipped_steps, "scale": stats.loss_scales[0]}, f"{out}{rank}.pt")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ step on unscaled gradients); and the scale grows through :class:`distamp.LossSca
 from __future__ import annotations
 
 import enum
-import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -85,18 +85,33 @@ class GradScaler:
     def get_growth_interval(self) -> int:
         return self._scaler.growth_interval
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._scaler.growth_factor = _checked("new_factor", new_factor, low=1.0)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._scaler.backoff_factor = _checked("new_factor", new_factor, low=0.0, high=1.0)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval < 1:
+            raise ValueError(
+                f"GradScaler.set_growth_interval: expected an int >= 1, got {new_interval!r}"
+            )
+        self._scaler.growth_interval = new_interval
+
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or lists/tuples/dicts of them) multiplied by the scale."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
             return outputs * self._scaler.scale
-        if isinstance(outputs, (list, tuple)):
-            return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, dict):
             return {k: self.scale(v) for k, v in outputs.items()}
-        raise TypeError(
-            f"GradScaler.scale: expected a tensor or a list/tuple/dict of tensors, got "
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable) and not isinstance(outputs, (str, bytes)):
+            return map(self.scale, outputs)  # torch returns a lazy map for other iterables
+        raise ValueError(
+            f"GradScaler.scale: outputs must be a Tensor or an iterable of Tensors, got "
             f"{type(outputs).__name__}"
         )
 
@@ -121,17 +136,31 @@ class GradScaler:
         ]
         device = grads[0].device if grads else torch.device("cpu")
         flag = check_and_unscale_(grads, 1.0 / self._scaler.scale, device)
+        # [found inf, this rank has no gradient]: one MAX all-reduce decides both on every rank.
+        flags = torch.cat([flag, torch.full_like(flag, float(not grads))])
         group = self._process_group()
         if group is not None:
-            all_reduce_(flag, dist.ReduceOp.MAX, group)
-        self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, bool(flag.item() > 0))
+            all_reduce_(flags, dist.ReduceOp.MAX, group)
+        found_inf, none = (bool(v > 0) for v in flags.tolist())
+        if none:
+            # torch raises at step() ("No inf checks were recorded for this optimizer"); every
+            # rank raises here together instead of one waiting in the next collective.
+            where = "this rank" if not grads else "another rank"
+            raise AssertionError(
+                f"No inf checks were recorded for this optimizer: expected gradients to unscale, "
+                f"found none on {where} (run backward on the scaled loss first)"
+            )
+        self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("GradScaler.step: closures are not supported (as in torch)")
+            raise RuntimeError(
+                "GradScaler.step: Closure use is not currently supported if GradScaler is "
+                "enabled (as in torch): expected step(optimizer) after backward, found a closure"
+            )
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.STEPPED:
             raise RuntimeError("GradScaler.step() has already been called since the last update()")
@@ -147,6 +176,14 @@ class GradScaler:
         if not self._enabled:
             return
         if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor) and (
+                new_scale.numel() != 1 or new_scale.requires_grad
+            ):
+                raise AssertionError(
+                    "GradScaler.update: new_scale should be a float or a 1-element tensor with "
+                    f"requires_grad=False, got shape {tuple(new_scale.shape)} with "
+                    f"requires_grad={new_scale.requires_grad}"
+                )
             value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
             if not (0 < value < float("inf")):
                 raise ValueError(
@@ -154,9 +191,9 @@ class GradScaler:
                 )
             self._scaler.scale = value
         elif not self._per_optimizer:
-            warnings.warn(
-                "GradScaler.update() without a step() since the last update(): nothing to do",
-                stacklevel=2,
+            raise AssertionError(
+                "No inf checks were recorded prior to update: expected scaler.step(optimizer) "
+                "(or unscale_) since the last update(), found none"
             )
         else:
             overflow = any(found for _, found in self._per_optimizer.values())
@@ -208,9 +245,30 @@ class GradScaler:
             if key in state_dict:
                 setattr(self._scaler, attr, type(getattr(self._scaler, attr))(state_dict[key]))
 
+    def __getstate__(self) -> dict[str, Any]:
+        if self._per_optimizer:
+            raise AssertionError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, or "
+                "at the end after scaler.update(); found optimizers unscaled or stepped since"
+            )
+        if self._group is not None:
+            raise TypeError(
+                "GradScaler: a GradScaler holding a process_group cannot be pickled (a process "
+                "group belongs to one process); pickle state_dict() instead"
+            )
+        return self.__dict__.copy()
+
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is not None:
             return self._group
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
+
+
+def _checked(name: str, value: float, *, low: float, high: float = float("inf")) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+        raise ValueError(
+            f"GradScaler: {name} expected a number in ({low:g}, {high:g}), got {value!r}"
+        )
+    return float(value)

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
-from .collectives import all_reduce_, check_same_on_all_ranks
+from .collectives import all_reduce_, broadcast_from_rank0_, check_same_on_all_ranks
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .nonfinite import check_and_unscale_
 from .optim import AmpOptimizer, AmpOptimizerState, ModelGrads
@@ -85,21 +85,54 @@ class FSDPParams(ModelGrads):
                 torch._foreach_mul_(grads, factor)
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Collective: the norm over every rank's shard of every gradient (FP32 accumulation)."""
-        grads = self._local_grads()
+        """Collective: the norm over every shard of every gradient, each shard counted once (FP32
+        accumulation).
+
+        A gradient's shards are summed over the mesh dimensions it is sharded on only: under
+        HSDP (a 2-D mesh, replicated x sharded) the replicas hold the same shard, and summing
+        over the whole world would count it once per replica.
+        """
         inf_norm = math.isinf(norm_type)
-        local = torch.zeros(1, dtype=torch.float32, device=self._device())
-        if grads:
+        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+        device = self._device()
+        by_groups: dict[tuple[int, ...], tuple[list[Any], list[torch.Tensor]]] = {}
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            groups = self._shard_groups(p.grad)
+            entry = by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))
+            entry[1].append(_local(p.grad))
+        parts = []
+        for groups, grads in by_groups.values():
             norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            part = norms.max() if inf_norm else norms.pow(norm_type).sum()
-            local += part.reshape(1).to(local.device)
-        all_reduce_(local, dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, self.process_group)
-        total = local[0] if inf_norm else local[0].pow(1.0 / norm_type)
+            part = (norms.max() if inf_norm else norms.pow(norm_type).sum()).reshape(1).to(device)
+            for group in groups:
+                all_reduce_(part, op, group)
+            parts.append(part)
+        if not parts:
+            total = torch.zeros((), dtype=torch.float32, device=device)
+        else:
+            stacked = torch.cat(parts)
+            total = stacked.max() if inf_norm else stacked.sum().pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            for g in grads:
-                g.mul_(coef.to(g.device))
+            for grads in (grads for _, grads in by_groups.values()):
+                for g in grads:
+                    g.mul_(coef.to(g.device))
         return total
+
+    def _shard_groups(self, grad: torch.Tensor) -> list[Any]:
+        """The process groups a gradient's shards are spread over (one per sharded mesh dim)."""
+        mesh = getattr(grad, "device_mesh", None)
+        if mesh is None:  # FSDP1: flat shards over the process group
+            return [self.process_group]
+        from torch.distributed.tensor import Shard
+
+        return [
+            mesh.get_group(dim)
+            for dim, placement in enumerate(grad.placements)  # type: ignore[attr-defined]
+            if isinstance(placement, Shard)
+        ]
 
     def copy_to_model(self) -> None:
         """The optimizer stepped FSDP's own parameters: nothing to copy."""
@@ -143,15 +176,40 @@ def policy_kwargs(props: Properties, root: bool) -> dict[str, Any]:
 
 
 def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
-    """The modules that become FSDP units, innermost first (the root is added by the caller)."""
+    """The modules that become FSDP units, innermost first (the root is added by the caller).
+
+    FSDP2 requires a module's submodules to be sharded before it is (MoE experts in a
+    ``ModuleList`` inside each transformer block: experts first, then the blocks), so the
+    candidates are taken in post-order: every module after all of its descendants.
+    """
+    chosen: Callable[[nn.Module], bool]
     if blocks is None:
-        found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+        in_lists = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+        chosen = lambda m: id(m) in in_lists and not isinstance(m, nn.ModuleList)  # noqa: E731
     elif callable(blocks) and not isinstance(blocks, (list, tuple)):
-        found = [m for m in model.modules() if m is not model and blocks(m)]
+        chosen = blocks
     else:
         classes = tuple(blocks)
-        found = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    return found
+        chosen = lambda m: isinstance(m, classes)  # noqa: E731
+    return [m for m in _post_order(model) if m is not model and chosen(m)]
+
+
+def _post_order(root: nn.Module) -> list[nn.Module]:
+    """Every module under ``root`` once, each after all of its descendants."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack: list[tuple[nn.Module, bool]] = [(root, False)]
+    while stack:
+        module, expanded = stack.pop()
+        if expanded:
+            out.append(module)
+            continue
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        stack.append((module, True))
+        stack.extend((child, False) for child in reversed(list(module.children())))
+    return out
 
 
 def fully_shard(
@@ -230,6 +288,10 @@ def fully_shard(
         "distamp.fsdp.fully_shard", _fingerprint(props, [model], [optimizer]), group
     )
     old_names = {id(p): n for n, p in model.named_parameters()}
+    # FSDP shards each rank's own weights: rank 0's become everyone's first, as DDP would do.
+    from .wrap import _states_of
+
+    broadcast_from_rank0_(_states_of([model]), group)
 
     _set_forward_classes(model, props, device_type)
     if api == "fsdp2":
@@ -295,7 +357,8 @@ def _group_by_owner(norms: list[nn.Module], blocks: list[nn.Module]) -> list[lis
         owner = -1
         for i, block in enumerate(blocks):
             if any(m is norm for m in block.modules()):
-                owner = i  # blocks come outermost first: the last match is the innermost
+                owner = i  # blocks come innermost first: the first match is the innermost
+                break
         groups.setdefault(owner, []).append(norm)
     return list(groups.values())
 

@@ -64,7 +64,9 @@ class MasterWeights(Protocol):
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
     def expose_unscaled(self, inv_scale: float) -> None: ...
     def take_modified_model_grads(self) -> None: ...
-    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]: ...
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]: ...
     def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
 
 
@@ -146,7 +148,9 @@ class ModelGrads:
         """Master gradients of ``params`` from their (already unscaled) model gradients."""
         raise NotImplementedError
 
-    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
         """The tensors the inner optimizer steps for a new param group of model ``params``."""
         raise ValueError(
             "optimizer.add_param_group: expected an optimizer wrapped by distamp.wrap; this one "
@@ -272,12 +276,15 @@ class MasterParams(ModelGrads):
             master = self.masters[index[id(param)]]
             master.grad = None if param.grad is None else param.grad.detach().to(torch.float32)
 
-    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Masters for a param group added after wrap: FP32 copies of the half parameters."""
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
+        """Masters for a param group added after wrap: FP32 copies of the half parameters
+        (``fp32_masters=False``, O3: none, the half parameters are stepped themselves)."""
         out: list[torch.Tensor] = []
         for param in params:
             master: torch.Tensor = param
-            if param.dtype in HALF_DTYPES:
+            if fp32_masters and param.dtype in HALF_DTYPES:
                 master = param.detach().to(torch.float32)
                 master.requires_grad_(True)
             self.model_params.append(param)
@@ -433,8 +440,9 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"{st.state.value}); expected it between optimizer.step() and the next backward"
             )
         st.group.check_new_params(params, st)
+        with_masters = st.group.props.master_weights
         rounded = [st.group.param_names[id(p)] for p in params if p.dtype in HALF_DTYPES]
-        if rounded:
+        if rounded and with_masters:
             warnings.warn(
                 f"optimizer.add_param_group: the FP32 masters of {rounded[:3]}"
                 f"{' and more' if len(rounded) > 3 else ''} start from their half weights: wrap "
@@ -443,7 +451,9 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "stepped once they have gradients)",
                 stacklevel=2,
             )
-        super().add_param_group({**param_group, "params": st.masters.add_group(params)})
+        # Without master weights (O3) the half parameters are stepped in half, like wrap's own.
+        stepped = st.masters.add_group(params, fp32_masters=with_masters)
+        super().add_param_group({**param_group, "params": stepped})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the *model's* gradients (the param_groups hold the masters) and master grads."""

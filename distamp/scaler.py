@@ -103,13 +103,14 @@ class LossScaler:
             self.skipped_at_floor = self.at_floor
             if not self.dynamic:
                 return
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
+            # Hysteresis (apex, DeepSpeed, Megatron): the first `hysteresis - 1` overflows in a
+            # row are tolerated; from then on every overflow backs off, until a clean step.
+            self.hysteresis_left = max(0, self.hysteresis_left - 1)
+            if self.hysteresis_left == 0:
                 backed_off = self.scale * self.backoff_factor
                 if self.min_loss_scale is not None:
                     backed_off = max(backed_off, self.min_loss_scale)
                 self.scale = backed_off
-                self.hysteresis_left = self.hysteresis
             return
         self.consecutive_skips = 0
         if not self.dynamic:

@@ -194,11 +194,13 @@ class ShardedMasterParams(ModelGrads):
         layout.flat_half = flat
         layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
 
-    def add_group(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
         """A param group added after wrap: its half parameters become a new sharded group (FP32
         masters from their half values), the others are stepped whole on every rank."""
-        sharded = [p for p in params if p.dtype in HALF_DTYPES]
-        kept = [p for p in params if p.dtype not in HALF_DTYPES]
+        sharded = [p for p in params if fp32_masters and p.dtype in HALF_DTYPES]
+        kept = [p for p in params if not (fp32_masters and p.dtype in HALF_DTYPES)]
         chunks = self._new_group(sharded, [{} for _ in sharded], None)
         self._lay_out(self.groups[-1])
         self.replicated += kept

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import casting
 from .collectives import broadcast_from_rank0_, check_same_on_all_ranks
-from .config import Properties, check_opt_level, resolve_properties
+from .config import HALF_DTYPES, Properties, check_opt_level, resolve_properties
 from .forensics import NonFiniteReport
 from .optim import (
     AmpOptimizer,
@@ -146,13 +146,16 @@ def wrap(
         else MasterParams.take(opt, cast_ids)
         for opt in opt_list
     ]
+    cast_names = _cast_names(model_list, plan)
     for model in model_list:
         casting.cast_model(model, props, device_type, plan)
     for master in masters:
         master.after_cast()
+    for opt in opt_list:
+        _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names)
     scalers.models = [weakref.ref(m) for m in model_list]
-    _register_state_hooks(model_list, plan, scalers)
+    _register_state_hooks(model_list, plan, scalers, cast_names)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
     for wrapper in wrappers:
@@ -260,49 +263,73 @@ class _LoadIntoMasters:
 class _HalfAsFP32StateDict:
     """``state_dict`` post-hook of a module holding cast tensors: they are reported as FP32
     (apex's O2 state-dict hook), so ``torch.save(model.state_dict())`` is a checkpoint a plain
-    FP32 model loads. ``keep_vars=True`` (the live tensors themselves) is left alone."""
+    FP32 model loads. ``keep_vars=True`` (the live tensors themselves) is left alone.
 
-    def __init__(self, cast: frozenset[int]) -> None:
-        self.cast = cast
+    The cast tensors are known by their names in each module, taken before the cast: casting a
+    buffer replaces it by a new tensor (BatchNorm's running stats under O3), so ids would miss it.
+    """
+
+    def __init__(self, names: dict[int, frozenset[str]]) -> None:
+        self.names = names
 
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
-            if tensor is None or id(tensor) not in self.cast:
-                continue
+        for name in self.names.get(id(module), ()):
+            live = module._parameters.get(name, module._buffers.get(name))
             value = state_dict.get(prefix + name)
             if (
                 isinstance(value, torch.Tensor)
-                and value is not tensor
-                and value.dtype
-                in (
-                    torch.float16,
-                    torch.bfloat16,
-                )
+                and value is not live
+                and value.dtype in (torch.float16, torch.bfloat16)
             ):
                 state_dict[prefix + name] = value.to(torch.float32)
 
 
+def _recast_half_state(optimizer: torch.optim.Optimizer) -> None:
+    """State of parameters stepped in half (no masters: O3) follows them to the half dtype, as
+    torch's ``load_state_dict`` casts it (apex recast it by reloading the optimizer's own state
+    dict): a momentum buffer from before wrap must not stay FP32 next to half weights."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.dtype not in HALF_DTYPES or param not in optimizer.state:
+                continue
+            state = optimizer.state[param]
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    state[key] = value.to(param.dtype)
+
+
+def _cast_names(models: list[nn.Module], plan: casting.PrecisionPlan) -> dict[int, frozenset[str]]:
+    """id(module) -> the names of its own tensors the plan casts (call before casting)."""
+    cast = plan.cast_params | plan.cast_buffers
+    out: dict[int, frozenset[str]] = {}
+    for model in models:
+        for module in model.modules():
+            own = [*module._parameters.items(), *module._buffers.items()]
+            names = frozenset(n for n, t in own if t is not None and id(t) in cast)
+            if names:
+                out[id(module)] = names
+    return out
+
+
 def _register_state_hooks(
-    models: list[nn.Module], plan: casting.PrecisionPlan, scalers: ScalerGroup
+    models: list[nn.Module],
+    plan: casting.PrecisionPlan,
+    scalers: ScalerGroup,
+    cast_names: dict[int, frozenset[str]],
 ) -> None:
     if plan.half_dtype is None:
         return
-    cast = plan.cast_params | plan.cast_buffers
     load = _LoadIntoMasters(scalers, plan.cast_params) if scalers.props.master_weights else None
-    report = _HalfAsFP32StateDict(cast)
+    report = _HalfAsFP32StateDict(cast_names)
     for model in models:
         for module in model.modules():
-            own = [
-                t
-                for t in [*module._parameters.values(), *module._buffers.values()]
-                if t is not None
-            ]
-            if not any(id(t) in cast for t in own):
+            if id(module) not in cast_names:
                 continue
             module.register_state_dict_post_hook(report)
-            if load is not None and any(id(t) in plan.cast_params for t in own):
+            own_params = [t for t in module._parameters.values() if t is not None]
+            if load is not None and any(id(t) in plan.cast_params for t in own_params):
                 module.register_load_state_dict_pre_hook(load)
 
 

@@ -461,18 +461,7 @@ def test_add_param_group_after_initialize_apex_matrix(level, zero_before_add, ac
 
 @pytest.mark.parametrize(
     "level",
-    [
-        "O2",
-        pytest.param(
-            "O3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 14 point 2: under O3 (master_weights=False) add_param_group gives "
-                "the added half params FP32 masters (optim.MasterParams.add_group ignores "
-                "master_weights); apex, and wrap's own params, step them in half",
-            ),
-        ),
-    ],
+    ["O2", "O3"],
 )
 def test_add_param_group_with_the_model_cast(level):
     """Default casting: the added half params get FP32 masters under O2 and train like FP32."""
@@ -754,22 +743,13 @@ def assert_fp32_state(state):
             assert value.dtype == torch.float32, key
 
 
-O3_STATE_NOT_RECAST = pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: wrap does not recast the optimizer state of parameters it casts without "
-    "masters (O3): a momentum buffer loaded (or accumulated) before initialize stays FP32 next to "
-    "bf16 weights, so training goes on differently; apex recast it (_initialize's "
-    "optimizer.load_state_dict(optimizer.state_dict()))",
-)
-
-
 @pytest.mark.parametrize("num_losses", [1, 2])
 @pytest.mark.parametrize(
     ("level", "amp_before_load"),
     [
         *[(level, before) for level in ("O0", "O1", "O2") for before in (True, False)],
         ("O3", True),
-        pytest.param("O3", False, marks=O3_STATE_NOT_RECAST),
+        ("O3", False),
     ],
 )
 def test_restoring(level, amp_before_load, num_losses):
@@ -855,22 +835,14 @@ class Masked(nn.Linear):
         return super().forward(x) * self.mask
 
 
-POINT_12_BUFFERS = pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 point 12: cast buffers (BatchNorm running stats under O3, a layer's own "
-    "buffer under O2) come out of model.state_dict() in bf16: wrap's state-dict hook matches "
-    "tensors by id, and casting.cast_model replaces each cast buffer by a new tensor",
-)
-
-
 @pytest.mark.parametrize(
     ("level", "make"),
     [
         ("O0", ConvBN),
         ("O1", ConvBN),
         ("O2", ConvBN),
-        pytest.param("O2", Masked, marks=POINT_12_BUFFERS),
-        pytest.param("O3", ConvBN, marks=POINT_12_BUFFERS),
+        ("O2", Masked),
+        ("O3", ConvBN),
     ],
 )
 def test_state_dict_is_fp32(level, make):
@@ -1132,12 +1104,6 @@ def test_scale_update_matches_apex_within_the_hysteresis(
     assert ours == theirs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: distamp.scaler.LossScaler re-arms the hysteresis after each backoff (backs "
-    "off once per `hysteresis` consecutive overflows); apex's update_scale_hysteresis (like "
-    "DeepSpeed and Megatron) backs off on every further overflow until a clean step",
-)
 @pytest.mark.parametrize("hysteresis", [2, 10])
 def test_every_overflow_past_the_hysteresis_backs_off(hysteresis):
     extra = 7

@@ -48,9 +48,11 @@ def test_hysteresis_delays_backoff_but_every_overflow_counts_as_a_skip():
     assert (s.scale, s.consecutive_skips) == (2.0**16, 2)
     s.update(True)
     assert s.scale == 2.0**15
+    s.update(True)
+    assert s.scale == 2.0**14  # past the hysteresis every further overflow backs off (apex)
     s.update(False)
     s.update(True)
-    assert s.scale == 2.0**15  # a clean step re-arms the hysteresis
+    assert s.scale == 2.0**14  # a clean step re-arms the hysteresis
 
 
 def test_floor_holds_and_marks_the_skip():

@@ -62,8 +62,8 @@ def full_weights(model):
     return {k: v.detach().float().clone() for k, v in full.items()}
 
 
-def moe_run(rank, world, mode, steps=6):
-    model = MoENet()
+def moe_run(rank, world, mode, per_rank_seed=False, steps=6):
+    model = MoENet(seed=1337 + rank if per_rank_seed else 1337)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norm_dtypes = []
     model.blocks[0].norm.register_forward_hook(
@@ -94,9 +94,26 @@ def moe_run(rank, world, mode, steps=6):
     return {"weights": weights, "norm_dtypes": norm_dtypes[-1], "units": units}
 
 
-def test_moe_experts_inside_blocks_are_sharded_innermost_first_and_match_ddp():
-    fsdp = run_ranks(moe_run, 2, "fsdp")
-    ddp = run_ranks(moe_run, 2, "ddp")
+def moe_runs(rank, world):
+    return {
+        "fsdp": moe_run(rank, world, "fsdp"),
+        "fsdp, seeded per rank": moe_run(rank, world, "fsdp", per_rank_seed=True),
+        "ddp": moe_run(rank, world, "ddp"),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe():
+    """One world of 2 ranks runs the three trainings (a spawn costs more than a training)."""
+    return run_ranks(moe_runs, 2)
+
+
+pytestmark = pytest.mark.xdist_group("fsdp_layouts")
+
+
+def test_moe_experts_inside_blocks_are_sharded_innermost_first_and_match_ddp(moe):
+    fsdp = [r["fsdp"] for r in moe]
+    ddp = [r["ddp"] for r in moe]
     # Each expert is its own FSDP unit (FSDP2 makes the class "FSDP<Linear>").
     assert all(u.startswith("FSDP") for u in fsdp[0]["units"]), fsdp[0]["units"]
     # The user's RMSNorm class keeps an FP32 weight (it casts its bf16 input up inside) and
@@ -110,11 +127,20 @@ def test_moe_experts_inside_blocks_are_sharded_innermost_first_and_match_ddp():
     assert_same(fsdp[1]["weights"], fsdp[0]["weights"], "rank 1")
 
 
+def test_per_rank_seeds_shard_rank_0s_model(moe):
+    # nanoGPT seeds every rank differently before building the model: FSDP would shard a mix of
+    # every rank's initial weights; fully_shard takes rank 0's first, as DDP does.
+    for r in range(2):
+        assert_same(
+            moe[r]["fsdp, seeded per rank"]["weights"], moe[0]["fsdp"]["weights"], f"rank {r}"
+        )
+
+
 def hsdp_run(rank, world, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = MoENet()
+    model = MoENet(seed=1337)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O0", mesh=mesh, verbosity=0)
     norms = []
@@ -129,7 +155,7 @@ def hsdp_run(rank, world, steps=3):
 
 
 def reference_run(steps=3):
-    model = MoENet()
+    model = MoENet(seed=1337)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = []
     for step in range(steps):
@@ -152,24 +178,3 @@ def test_hsdp_clipping_counts_each_shard_once():
         torch.testing.assert_close(r["norms"], ref["norms"], rtol=1e-5, atol=0)
         for name, value in ref["weights"].items():
             torch.testing.assert_close(r["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def seeded_run(rank, world, per_rank_seed):
-    model = MoENet(seed=1337 + rank if per_rank_seed else 1337)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
-    for step in range(3):
-        x, y = batch(step, rank, world)
-        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-    return full_weights(model)
-
-
-@pytest.mark.parametrize("world", [2])
-def test_per_rank_seeds_shard_rank_0s_model(world):
-    per_rank = run_ranks(seeded_run, world, True)
-    one_seed = run_ranks(seeded_run, world, False)
-    for r in range(world):
-        assert_same(per_rank[r], one_seed[0], f"rank {r}")

@@ -357,7 +357,9 @@ def test_uncoalesced_fp16_sparse_gradient_that_overflows_when_summed_is_found():
         assert (scaler.get_scale() == 2.0) is expect
         assert torch.equal(p.detach(), before) is expect
         if not expect:
-            coalesced = torch.sparse_coo_tensor(i, torch.tensor(values), (2, 3)).to_dense()
+            coalesced = torch.sparse_coo_tensor(
+                i, torch.tensor(values), (2, 3), check_invariants=True
+            ).to_dense()
             assert torch.equal(p.detach().float(), -coalesced / 4.0)
 
 

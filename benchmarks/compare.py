@@ -4,6 +4,15 @@
     python benchmarks/compare.py --workload w2     # W2: batch 1x128/rank (communication-bound)
     python benchmarks/compare.py --quick           # tiny sizes, a smoke run (under 3 minutes)
     python benchmarks/compare.py --plot            # also a PNG bar chart (needs matplotlib)
+    python benchmarks/compare.py --workload w2 --nodes 2 --link 1gbit   # an emulated cluster
+
+Precision by capability: every configuration computes in the precision that is fastest here —
+bf16 where the CPU has bf16 units (or on a GPU), FP32 otherwise (bf16 matmul then runs at ~1/100
+of FP32's speed); a 16-bit wire is used everywhere. The table's header says which, with the
+matmul GFLOP/s measured in the same run. ``--nodes N --link RATE`` runs each rank group in its own
+network namespace ("node", benchmarks/cluster.py) behind a link shaped with tc to RATE in both
+directions, one torchrun agent per node (static rendezvous on node 0, env:// variables, gloo on
+that link): what gradient traffic costs between machines, which loopback hides.
 
 Every configuration trains examples/train_gpt.py's GPT on the same data for the same steps, on
 ``--world`` ranks (gloo on CPU, NCCL on GPUs), each in its own spawned world so its peak RSS is its
@@ -11,18 +20,22 @@ own; rounds alternate the order of the configurations so machine drift favours n
 median step time and its spread, speed-up over FP32 DDP, tokens/s, achieved FLOP/s (6 x params x
 tokens) as a fraction of the bf16 matmul peak measured in the same run, peak RSS and optimizer
 state (+ FP32 masters) per rank, gradient bytes each rank puts on the wire per step, first and
-final loss. "floor" rows run without any communication (each rank steps 1/N of the parameters):
-the speed a data-parallel run cannot beat. Results go to ``--out-dir`` as JSON and Markdown.
+final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the "floor" row
+(each rank, no communication, forward+backward and the optimizer over 1/N of the parameters), the
+wire floor the bytes of a 16-bit ring all-reduce of the gradients over the link rate (emulated
+cluster only). Results go to ``--out-dir`` as JSON and Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,11 +53,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_gpt import GPT, SIZES, GPTConfig, RandomWindows, load_stdlib_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster import cluster, rate_bits_per_s
+
 import distamp
 import distamp.fsdp
 from distamp.doctor import matmul_gflops
 
-CONFIGS = [
+BF16_CONFIGS = [
     "FP32 DDP",
     "torch.autocast + DDP",
     "torch.autocast + DDP + torch fp16_compress_hook",
@@ -57,6 +73,18 @@ CONFIGS = [
     "floor: pure bf16, no communication",
     "floor: autocast bf16, no communication",
 ]
+"""Where bf16 compute is fast (bf16 units, GPUs)."""
+FP32_CONFIGS = [
+    "FP32 DDP",
+    "DDP + torch fp16_compress_hook",
+    "ZeroRedundancyOptimizer",
+    "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)",
+    "DeepSpeed ZeRO-1 bf16 communication",
+    "distamp O0 + hook",
+    "floor: FP32, no communication",
+]
+"""Where only FP32 compute is fast: mixed precision can still shrink the wire and the state."""
+CONFIGS = list(dict.fromkeys(BF16_CONFIGS + FP32_CONFIGS))
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -114,6 +142,34 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
     if config == "FP32 DDP":
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         return plain_step(DDP(model), opt, False), opt, 4
+    if config == "DDP + torch fp16_compress_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(ddp, opt, False), opt, 2
+    if config == "ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DDP(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        return plain_step(ddp, opt, False), opt, 4
+    if config == "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=dtype)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return plain_step(model, opt, False), opt, 2
+    if config == "distamp O0 + hook":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        model, opt = distamp.wrap(model, opt, opt_level="O0", half_dtype=dtype, verbosity=0)
+        ddp = DDP(model)
+        distamp.hooks.register(ddp, opt)
+        return distamp_step(ddp, opt), opt, 2
     if config == "torch.autocast + DDP":
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         return plain_step(DDP(model), opt, True), opt, 4
@@ -139,7 +195,7 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
         fully_shard(model, mp_policy=MixedPrecisionPolicy(dtype, dtype, torch.float32))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         return plain_step(model, opt, False), opt, 2
-    if config == "DeepSpeed ZeRO-1 bf16":
+    if config.startswith("DeepSpeed"):
         import deepspeed  # noqa: F401 - an optional extra: '.[bench]'
 
         raise NotImplementedError("DeepSpeed on this backend")  # pragma: no cover
@@ -154,23 +210,28 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
         distamp.hooks.register(ddp, opt)
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("floor"):
-        params = list(model.parameters())
         if "pure" in config:
             model.to(dtype)
+        params = list(model.parameters())
         opt = torch.optim.AdamW(params[rank::world], lr=lr)
         return plain_step(model, opt, "autocast" in config), opt, 0
     raise ValueError(f"unknown configuration {config!r}")
 
 
-def worker(rank: int, world: int, rdzv: str, config: str, opts: dict[str, Any], out: str) -> None:
+def worker(
+    rank: int, world: int, rdzv: str | None, config: str, opts: dict[str, Any], out: str
+) -> None:
+    """One rank of one configuration; ``rdzv``: a file:// rendezvous, or None for torchrun's
+    env:// variables (the emulated cluster)."""
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(opts["threads"])
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        init_method=f"file://{rdzv}",
+        init_method="env://" if rdzv is None else f"file://{rdzv}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=opts["timeout"]),
@@ -244,6 +305,57 @@ def run_world(fn: Any, world: int, config: str, opts: dict[str, Any], prefix: st
     return [{"config": config, "skipped": f"failed twice ({error})"}]
 
 
+def run_cluster(nodes: list[Any], world: int, config: str, opts: dict[str, Any], prefix: str):
+    """``world`` ranks of one configuration over the emulated cluster's ``nodes``: a torchrun
+    agent per node (static rendezvous on node 0), gloo on the node's shaped link. Rank 0's
+    gathered results; a failure or hang is retried once, then becomes a "failed" row."""
+    per_node = world // len(nodes)
+    opts_file = f"{prefix}.opts.json"
+    Path(opts_file).write_text(json.dumps(opts))
+    error = ""
+    for attempt in range(2):
+        out = f"{prefix}-{attempt}.json"
+        port = str(29400 + (os.getpid() + attempt) % 500)
+        procs = []
+        for i, node in enumerate(nodes):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": node.iface, "OMP_NUM_THREADS": "1"}
+            cmd = [
+                *node.enter,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={len(nodes)}",
+                f"--node_rank={i}",
+                f"--nproc_per_node={per_node}",
+                f"--master_addr={nodes[0].addr}",
+                f"--master_port={port}",
+                str(Path(__file__).resolve()),
+                "--worker",
+                config,
+                "--opts-file",
+                opts_file,
+                "--result",
+                out,
+            ]
+            log = open(f"{prefix}-{attempt}-node{i}.log", "w")
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
+        deadline = time.monotonic() + opts["timeout"]
+        codes = []
+        for proc, log in procs:
+            try:
+                codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+            log.close()
+        if all(c == 0 for c in codes) and os.path.exists(out):
+            return json.loads(Path(out).read_text())
+        tail = Path(f"{prefix}-{attempt}-node0.log").read_text()[-400:]
+        error = f"exit codes {codes}: {tail}"
+        print(f"{config}: attempt {attempt + 1} failed ({error})", flush=True)
+    return [{"config": config, "skipped": f"failed twice ({error.splitlines()[0]})"}]
+
+
 def summarize(config: str, rounds: list[list[dict[str, Any]]], opts: dict[str, Any], peak: float):
     first = rounds[0][0]
     if "skipped" in first:
@@ -266,29 +378,71 @@ def summarize(config: str, rounds: list[list[dict[str, Any]]], opts: dict[str, A
     }
 
 
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
+def floors(
+    rows: list[dict[str, Any]], params: int, nodes: int, link_bits: float | None
+) -> dict[str, float]:
+    """The compute floor (the fastest "floor" row), the wire floor (a 16-bit ring all-reduce of
+    the gradients between ``nodes`` over the link: 2 (N-1)/N x 2 bytes x params) and their max."""
+    compute = min(
+        (r["median_s"] for r in rows if r["config"].startswith("floor") and "median_s" in r),
+        default=0.0,
+    )
+    wire = 0.0
+    if link_bits and nodes > 1:
+        wire = 2 * (nodes - 1) / nodes * 2 * params * 8 / link_bits
+    return {"compute_s": compute, "wire_s": wire, "floor_s": max(compute, wire)}
+
+
+def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, float]) -> str:
     base = next(
         (r["median_s"] for r in rows if r["config"] == "FP32 DDP" and "median_s" in r), None
     )
     lines = [
         header,
         "",
-        "| configuration | median step s | spread s | vs FP32 DDP | tokens/s | of bf16 peak | "
+        f"Floor: {floor['floor_s']:.3f} s = max(compute floor {floor['compute_s']:.3f} s, wire "
+        f"floor {floor['wire_s']:.3f} s).",
+        "",
+        "| configuration | median step s | spread s | vs FP32 DDP | vs floor | tokens/s | of peak | "
         "peak RSS/rank MB | opt state+masters/rank MB | grad MB on wire/step | loss first -> final |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['config']} | skipped: {r['skipped']} |||||||||")
+            lines.append(f"| {r['config']} | skipped: {r['skipped']} ||||||||||")
             continue
         speed = f"{base / r['median_s']:.2f}x" if base else "-"
+        to_floor = f"{r['median_s'] / floor['floor_s']:.2f}x" if floor["floor_s"] else "-"
         lines.append(
-            f"| {r['config']} | {r['median_s']:.3f} | {r['spread_s']:.3f} | {speed} | "
+            f"| {r['config']} | {r['median_s']:.3f} | {r['spread_s']:.3f} | {speed} | {to_floor} | "
             f"{r['tokens_per_s']:.0f} | {r['peak_fraction']:.1%} | {r['peak_rss_mb']:.0f} | "
             f"{r['held_mb']:.1f} | {r['wire_mb']:.1f} | {r['first_loss']:.3f} -> "
             f"{r['final_loss']:.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def choose_compute(choice: str, seconds: float) -> tuple[str, str, float]:
+    """("bf16" or "fp32", why, that dtype's matmul GFLOP/s per rank measured now)."""
+    if torch.cuda.is_available():
+        peak = matmul_gflops(torch.bfloat16, seconds, "cuda")
+        return "bf16", f"GPU: bf16 matmul {peak:.0f} GFLOP/s", peak
+    fp32 = matmul_gflops(torch.float32, seconds)
+    bf16 = matmul_gflops(torch.bfloat16, seconds)
+    measured = f"bf16 matmul {bf16:.1f} GFLOP/s vs FP32 {fp32:.1f} on this CPU"
+    if choice == "auto":
+        choice = "bf16" if bf16 > fp32 else "fp32"
+        why = (
+            "bf16 units: bf16 compute is fastest"
+            if choice == "bf16"
+            else (
+                "no bf16 units: FP32 compute is fastest, mixed precision keeps a 16-bit wire and "
+                "sharded state"
+            )
+        )
+    else:
+        why = "chosen with --compute"
+    return choice, f"{measured} ({why})", bf16 if choice == "bf16" else fp32
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> str:
@@ -319,27 +473,52 @@ def main() -> None:
         "--workload",
         choices=["w1", "w2"],
         default="w1",
-        help="w1: batch 8 per rank (compute-bound); w2: batch 1 (communication)",
+        help="w1: batch 8 per rank (compute-bound); w2: batch 1 (communication) (default: w1)",
     )
-    parser.add_argument("--size", choices=sorted(SIZES), default="bench")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--size", choices=sorted(SIZES), default="bench", help="(default: bench)")
+    parser.add_argument("--seq", type=int, default=128, help="(default: 128)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per round (default: 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="(default: 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="(default: 2)")
+    parser.add_argument("--world", type=int, default=2, help="ranks in all (default: 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads/rank (default: 1)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="(default: 1e-3)")
+    parser.add_argument(
+        "--compute",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="compute precision of every row; auto: the faster matmul here (default: auto)",
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=0, help="emulated nodes (network namespaces); 0: loopback"
+    )
+    parser.add_argument(
+        "--link", default="1gbit", help="each node's link rate with --nodes (default: 1gbit)"
+    )
     parser.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--plot", action="store_true")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per world")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank, under torchrun
+    parser.add_argument("--opts-file", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        opts = json.loads(Path(args.opts_file).read_text())
+        worker(rank, world, None, args.worker, opts, args.result)
+        return
     batch = 8 if args.workload == "w1" else 1
     if args.quick:
         args.size, args.seq, args.steps, args.warmup, args.rounds = "tiny", 32, 3, 1, 1
         batch, args.lr = 2, 3e-3
-    configs = args.only or CONFIGS
+    if args.nodes and args.world % args.nodes:
+        parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
+    link_bits = rate_bits_per_s(args.link) if args.nodes else None
+    torch.set_num_threads(args.threads)
+    compute, why, peak = choose_compute(args.compute, 0.2 if args.quick else 1.0)
+    configs = args.only or (BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
@@ -355,32 +534,53 @@ def main() -> None:
         "data_mb": 0.5 if args.quick else 4.0,
         "timeout": args.timeout or (120.0 if args.quick else 1800.0),
     }
-    torch.set_num_threads(args.threads)
-    peak = matmul_gflops(torch.bfloat16, 0.2 if args.quick else 1.0)
     runs: dict[str, list[Any]] = {c: [] for c in configs}
-    with tempfile.TemporaryDirectory(prefix="distamp-compare-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="distamp-compare-"))
+        nodes = stack.enter_context(cluster(args.nodes, args.link)) if args.nodes else None
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]
             for i, config in enumerate(order):
-                runs[config].append(run_world(worker, args.world, config, opts, f"{tmp}/{r}-{i}"))
+                prefix = f"{tmp}/{r}-{i}"
+                if nodes is None:
+                    got = run_world(worker, args.world, config, opts, prefix)
+                else:
+                    got = run_cluster(nodes, args.world, config, opts, prefix)
+                runs[config].append(got)
                 print(f"round {r + 1}/{args.rounds}: {config} done", flush=True)
     rows = [summarize(c, runs[c], opts, peak) for c in configs]
     device = "CUDA/NCCL" if torch.cuda.is_available() else "CPU/gloo"
     params = next((run[0][0]["params"] for run in runs.values() if "params" in run[0][0]), 0)
+    floor = floors(rows, params, args.nodes, link_bits)
+    where = (
+        f"{args.nodes} emulated nodes, each link {args.link} both ways"
+        if args.nodes
+        else "loopback"
+    )
     header = (
         f"GPT {args.size} ({params / 1e6:.1f}M params), workload {args.workload}: "
-        f"batch {batch}x{args.seq} per rank, {args.world} ranks ({device}, {args.threads} "
-        f"thread(s)/rank), {args.steps} steps x {args.rounds} rounds; bf16 matmul peak "
-        f"{peak:.1f} GFLOP/s per rank, measured in this run"
+        f"batch {batch}x{args.seq} per rank, {args.world} ranks ({device}, {where}, "
+        f"{args.threads} thread(s)/rank), {args.steps} steps x {args.rounds} rounds, "
+        f'{datetime.date.today()}. Compute: {compute} — {why}; "of peak" is against that '
+        f"matmul rate, measured in this run."
     )
-    table = markdown(rows, header)
+    table = markdown(rows, header, floor)
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"compare-{args.workload}{'-quick' if args.quick else ''}"
+    net = f"-{args.nodes}nodes-{args.link}" if args.nodes else ""
+    stem = f"compare-{args.workload}{net}{'-quick' if args.quick else ''}"
     (args.out_dir / f"{stem}.md").write_text(table)
-    (args.out_dir / f"{stem}.json").write_text(
-        json.dumps({"options": opts, "bf16_peak_gflops": peak, "rows": rows}, indent=2) + "\n"
-    )
+    summary = {
+        "options": opts,
+        "compute": compute,
+        "why": why,
+        "peak_gflops": peak,
+        "nodes": args.nodes,
+        "link": args.link if args.nodes else None,
+        "floor": floor,
+        "rows": rows,
+    }
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
         print(plot(rows, args.out_dir / f"{stem}.png"))
 

@@ -116,6 +116,14 @@ def first_half(rank, world, opt_level, shard, directory):
     )
 
 
+def straight_then_first_half(rank, world, opt_level, shard, directory):
+    """The uninterrupted run, then (in the same processes: Net seeds the RNG) the run that saves
+    at SAVE_AT."""
+    expected = straight(rank, world, opt_level, shard)
+    first_half(rank, world, opt_level, shard, directory)
+    return expected
+
+
 def second_half(rank, world, opt_level, shard, directory):
     model, opt, sched = make(opt_level, shard, dropout=0.2)
     extra = distamp.load_checkpoint(directory, model, opt)
@@ -130,9 +138,8 @@ def second_half(rank, world, opt_level, shard, directory):
 )
 def test_resume_is_bit_exact_in_new_processes(tmp_path, world, opt_level, shard):
     directory = str(tmp_path / "ckpt")
-    expected = run_ranks(straight, world, opt_level, shard)
-    run_ranks(first_half, world, opt_level, shard, directory)
-    resumed = run_ranks(second_half, world, opt_level, shard, directory)
+    expected = run_ranks(straight_then_first_half, world, opt_level, shard, directory)
+    resumed = run_ranks(second_half, world, opt_level, shard, directory)  # new processes
     for rank in range(world):
         assert_same(expected[rank], resumed[rank], f"rank {rank}")
     stats = expected[0]["stats"]

@@ -139,60 +139,35 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
 
         return step
 
-    if config == "FP32 DDP":
+    # The torch peers, in FP32 compute or under torch.autocast (the same setup either way).
+    cast = config.startswith("torch.autocast + ")
+    base = config.removeprefix("torch.autocast + ")
+    if base in ("FP32 DDP", "DDP"):
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(DDP(model), opt, False), opt, 4
-    if config == "DDP + torch fp16_compress_hook":
+        return plain_step(DDP(model), opt, cast), opt, 4
+    if base == "DDP + torch fp16_compress_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp = DDP(model)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(ddp, opt, False), opt, 2
-    if config == "ZeroRedundancyOptimizer":
+        return plain_step(ddp, opt, cast), opt, 2
+    if base == "ZeroRedundancyOptimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = DDP(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-        return plain_step(ddp, opt, False), opt, 4
-    if config == "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)":
+        return plain_step(ddp, opt, cast), opt, 4
+    if base.startswith("FSDP2 MixedPrecisionPolicy"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=dtype)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(model, opt, False), opt, 2
-    if config == "distamp O0 + hook":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        model, opt = distamp.wrap(model, opt, opt_level="O0", half_dtype=dtype, verbosity=0)
-        ddp = DDP(model)
-        distamp.hooks.register(ddp, opt)
-        return distamp_step(ddp, opt), opt, 2
-    if config == "torch.autocast + DDP":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(DDP(model), opt, True), opt, 4
-    if config == "torch.autocast + DDP + torch fp16_compress_hook":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp = DDP(model)
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(ddp, opt, True), opt, 2
-    if config == "torch.autocast + ZeroRedundancyOptimizer":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        ddp = DDP(model)
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-        return plain_step(ddp, opt, True), opt, 4
-    if config == "FSDP2 MixedPrecisionPolicy":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        # bf16 compute: bf16 parameters in forward/backward, FP32 outputs; else FP32 parameters.
+        param_dtype = None if "FP32 params" in base else dtype
+        inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=dtype)
         for block in model.blocks:
             fully_shard(block, mp_policy=inner)
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(dtype, dtype, torch.float32))
+        root = MixedPrecisionPolicy(param_dtype, dtype, torch.float32 if param_dtype else None)
+        fully_shard(model, mp_policy=root)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         return plain_step(model, opt, False), opt, 2
     if config.startswith("DeepSpeed"):
@@ -200,9 +175,9 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
 
         raise NotImplementedError("DeepSpeed on this backend")  # pragma: no cover
     if config.startswith("distamp"):
-        level = "O1" if "O1" in config else "O2"
+        level = config.split()[1]  # "distamp O2 sharded + hook" -> "O2"
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        kwargs = {} if level == "O1" else {"shard_master_weights": "sharded" in config}
+        kwargs = {"shard_master_weights": "sharded" in config} if level == "O2" else {}
         model, opt = distamp.wrap(
             model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
         )

@@ -32,89 +32,65 @@ def models_and_data(n_models=1, seed=0):
     return models, opts, batches
 
 
-def plain(scaler, scaled, skip_iter, n=1):
+MAX_NORM = 0.2
+
+
+def one_model(scaler, scaled, skip_iter, make_loss=None, before_step=None):
+    """torch's one-model recipe: scaled (an inf injected at ``skip_iter``, which the scaler must
+    skip) or as the unscaled control that skips the same step. ``make_loss(model, x, y, scaler)``
+    and ``before_step(model, opt, scaler)`` get the scaler only in the scaled run."""
     (model,), (opt,), batches = models_and_data()
     for i, (x, y) in enumerate(batches):
         opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        active = scaler if scaled else None
+        loss = make_loss(model, x, y, active) if make_loss else F.mse_loss(model(x), y)
+        (scaler.scale(loss) if scaled else loss).backward()
+        if scaled and i == skip_iter:
+            model[1].weight.grad.fill_(float("inf"))
+        if before_step is not None:
+            before_step(model, opt, active)
         if scaled:
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.fill_(float("inf"))
             scaler.step(opt)
             scaler.update()
-        else:
-            loss.backward()
-            if i != skip_iter:
-                opt.step()
+        elif i != skip_iter:
+            opt.step()
     return [model]
 
 
-def clipping(scaler, scaled, skip_iter, max_norm=0.2):
-    (model,), (opt,), batches = models_and_data()
-    for i, (x, y) in enumerate(batches):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        if scaled:
-            scaler.scale(loss).backward()
-            # Clipping the scaled gradients: the threshold scaled too (torch's recipe).
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
-            if i == skip_iter:
-                model[1].weight.grad.fill_(float("inf"))
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if i != skip_iter:
-                opt.step()
-    return [model]
+def plain(scaler, scaled, skip_iter):
+    return one_model(scaler, scaled, skip_iter)
 
 
-def clipping_separate_unscale(scaler, scaled, skip_iter, max_norm=0.2):
-    (model,), (opt,), batches = models_and_data()
-    for i, (x, y) in enumerate(batches):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        if scaled:
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.fill_(float("inf"))
+def clipping(scaler, scaled, skip_iter):
+    def clip(model, opt, scaler):
+        # Clipping the scaled gradients: the threshold scaled too (torch's recipe).
+        threshold = MAX_NORM * (scaler.get_scale() if scaler else 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), threshold, error_if_nonfinite=False)
+
+    return one_model(scaler, scaled, skip_iter, before_step=clip)
+
+
+def clipping_separate_unscale(scaler, scaled, skip_iter):
+    def clip(model, opt, scaler):
+        if scaler is not None:
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if i != skip_iter:
-                opt.step()
-    return [model]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, error_if_nonfinite=False)
+
+    return one_model(scaler, scaled, skip_iter, before_step=clip)
 
 
 def penalty(scaler, scaled, skip_iter):
-    (model,), (opt,), batches = models_and_data()
-    for i, (x, y) in enumerate(batches):
-        opt.zero_grad()
+    def penalized(model, x, y, scaler):
         loss = F.mse_loss(model(x), y)
         params = list(model.parameters())
-        if scaled:
+        if scaler is not None:
             grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
             grads = [g / scaler.get_scale() for g in grads]  # the penalty sees true gradients
         else:
             grads = torch.autograd.grad(loss, params, create_graph=True)
-        loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
-        if scaled:
-            scaler.scale(loss).backward()
-            if i == skip_iter:
-                model[1].weight.grad.fill_(float("inf"))
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            if i != skip_iter:
-                opt.step()
-    return [model]
+        return loss + sum(g.pow(2).sum() for g in grads).sqrt()
+
+    return one_model(scaler, scaled, skip_iter, make_loss=penalized)
 
 
 def accumulation(scaler, scaled, skip_iter, every=2):

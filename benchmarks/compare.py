@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import resource
@@ -98,8 +99,13 @@ def _held(opt: Any) -> int:
     if isinstance(opt, distamp.optim.AmpOptimizer):
         s = distamp.stats(opt)
         return s.master_bytes + s.optimizer_state_bytes
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim, DeepSpeed in .optimizer
+    # (whose params are DeepSpeed's flat FP32 partitions: its masters).
+    inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None) or opt
     total = 0
+    if inner is not opt and hasattr(opt, "optimizer"):
+        for group in inner.param_groups:
+            total += sum(p.numel() * p.element_size() for p in group["params"])
     for per in inner.state.values():
         for v in per.values():
             if isinstance(v, torch.Tensor):
@@ -108,8 +114,16 @@ def _held(opt: Any) -> int:
     return total
 
 
-def setup(config: str, model: nn.Module, lr: float, device: torch.device, world: int, rank: int):
-    """(step function, optimizer, gradient bytes per parameter on the wire)."""
+def setup(
+    config: str, model: nn.Module, opts: dict[str, Any], device: torch.device, world: int, rank: int
+):
+    """(step function, optimizer, gradient bytes per parameter on the wire). Every row builds the
+    same AdamW (``--adamw``: torch's default implementation, foreach or fused) and every DDP row
+    the same buckets (``--bucket-mb``)."""
+    lr = opts["lr"]
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[opts["adamw"]]
+    adamw = functools.partial(torch.optim.AdamW, lr=lr, **impl)
+    ddp_of = functools.partial(DDP, bucket_cap_mb=opts["bucket_mb"])
     dtype = torch.bfloat16
     autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
 
@@ -143,20 +157,22 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
     cast = config.startswith("torch.autocast + ")
     base = config.removeprefix("torch.autocast + ")
     if base in ("FP32 DDP", "DDP"):
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return plain_step(DDP(model), opt, cast), opt, 4
+        opt = adamw(model.parameters())
+        return plain_step(ddp_of(model), opt, cast), opt, 4
     if base == "DDP + torch fp16_compress_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp = DDP(model)
+        ddp = ddp_of(model)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = adamw(model.parameters())
         return plain_step(ddp, opt, cast), opt, 2
     if base == "ZeroRedundancyOptimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        ddp = DDP(model)
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        ddp = ddp_of(model)
+        opt = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr, **impl
+        )
         return plain_step(ddp, opt, cast), opt, 4
     if base.startswith("FSDP2 MixedPrecisionPolicy"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -168,27 +184,45 @@ def setup(config: str, model: nn.Module, lr: float, device: torch.device, world:
             fully_shard(block, mp_policy=inner)
         root = MixedPrecisionPolicy(param_dtype, dtype, torch.float32 if param_dtype else None)
         fully_shard(model, mp_policy=root)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = adamw(model.parameters())
         return plain_step(model, opt, False), opt, 2
     if config.startswith("DeepSpeed"):
-        import deepspeed  # noqa: F401 - an optional extra: '.[bench]'
+        import deepspeed  # an optional extra: '.[bench]'
 
-        raise NotImplementedError("DeepSpeed on this backend")  # pragma: no cover
+        # ZeRO stage 1 on gloo: bf16 weights and compute where bf16 is fast ("ZeRO-1 bf16"),
+        # else FP32 compute with its 16-bit communication option (communication_data_type).
+        ds_config = {
+            "train_micro_batch_size_per_gpu": opts["batch"],
+            "zero_optimization": {"stage": 1},
+            "communication_data_type": "bf16",
+            "bf16": {"enabled": config == "DeepSpeed ZeRO-1 bf16"},
+            "steps_per_print": 2**31,
+        }
+        opt = adamw(model.parameters())
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+
+        def ds_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = _loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+
+        return ds_step, opt, 2
     if config.startswith("distamp"):
         level = config.split()[1]  # "distamp O2 sharded + hook" -> "O2"
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = adamw(model.parameters())
         kwargs = {"shard_master_weights": "sharded" in config} if level == "O2" else {}
         model, opt = distamp.wrap(
             model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
         )
-        ddp = DDP(model)
+        ddp = ddp_of(model)
         distamp.hooks.register(ddp, opt)
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("floor"):
         if "pure" in config:
             model.to(dtype)
         params = list(model.parameters())
-        opt = torch.optim.AdamW(params[rank::world], lr=lr)
+        opt = adamw(params[rank::world])
         return plain_step(model, opt, "autocast" in config), opt, 0
     raise ValueError(f"unknown configuration {config!r}")
 
@@ -216,7 +250,7 @@ def worker(
     n_params = sum(p.numel() for p in model.parameters())
     result: dict[str, Any] = {"config": config, "params": n_params}
     try:
-        step, opt, wire = setup(config, model, opts["lr"], device, world, rank)
+        step, opt, wire = setup(config, model, opts, device, world, rank)
     except ImportError as exc:
         result["skipped"] = f"{type(exc).__name__}: {exc} (pip install -e '.[bench]')"
         step = None
@@ -459,6 +493,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads/rank (default: 1)")
     parser.add_argument("--lr", type=float, default=1e-3, help="(default: 1e-3)")
     parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="DDP's bucket_cap_mb for every DDP row (default: 25, DDP's own)",
+    )
+    parser.add_argument(
+        "--adamw",
+        choices=["default", "foreach", "fused"],
+        default="default",
+        help="AdamW implementation of every row (default: torch's default for the device)",
+    )
+    parser.add_argument(
         "--compute",
         choices=["auto", "bf16", "fp32"],
         default="auto",
@@ -505,6 +551,8 @@ def main() -> None:
         "warmup": args.warmup,
         "threads": args.threads,
         "lr": args.lr,
+        "adamw": args.adamw,
+        "bucket_mb": args.bucket_mb,
         "world": args.world,
         "data_mb": 0.5 if args.quick else 4.0,
         "timeout": args.timeout or (120.0 if args.quick else 1800.0),

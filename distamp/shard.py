@@ -33,8 +33,10 @@ from torch import nn
 from .collectives import all_reduce_
 from .config import HALF_DTYPES
 from .nonfinite import check_and_unscale_, nonfinite_flag
-from .optim import ModelGrads, merge_loaded
+from .optim import ModelGrads, _grad_version, merge_loaded
 
+GATHER_PIECE = 1 << 20
+"""Elements per rank of one all-gather piece in :meth:`ShardedMasterParams.copy_to_model`."""
 CHUNK = 1 << 18
 """Largest slice of a shard the inner optimizer steps as one tensor; see [Note: chunked shards]."""
 
@@ -123,6 +125,13 @@ class ShardedMasterParams(ModelGrads):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.model_params: list[nn.Parameter] = list(replicated)
+        self.grad_buffer: torch.Tensor | None = None
+        """With distamp's reduce-scatter hook: every group's FP32 shard gradient, one persistent
+        buffer (see [Note: reduce-scatter into the shards])."""
+        self.grad_offsets: list[int] = []
+        """Where each group's shard gradient starts in ``grad_buffer``."""
+        self.reduced: set[int] = set()
+        """ids of the parameters whose shard gradient the hook wrote since the last step."""
 
     @classmethod
     def take(
@@ -227,8 +236,11 @@ class ShardedMasterParams(ModelGrads):
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
 
-    def _fill_shard_grad(self, g: int, params: list[nn.Parameter]) -> torch.Tensor:
-        """Copy the gradients of ``params`` (of group ``g``) into the group's FP32 shard grad."""
+    def _fill_shard_grad(
+        self, g: int, params: list[nn.Parameter], *, keep_reduced: bool = True
+    ) -> torch.Tensor:
+        """Copy the gradients of ``params`` (of group ``g``) into the group's FP32 shard grad;
+        with ``keep_reduced``, not those the reduce-scatter hook wrote already."""
         layout = self.groups[g]
         flat_grad = self.shard_grads[g]
         if flat_grad is None:
@@ -238,7 +250,7 @@ class ShardedMasterParams(ModelGrads):
         with torch.no_grad():
             for index, src, count, dst in layout.pieces:
                 param = layout.params[index]
-                if id(param) not in wanted:
+                if id(param) not in wanted or (keep_reduced and id(param) in self.reduced):
                     continue
                 grad = param.grad
                 if grad is None:
@@ -259,7 +271,7 @@ class ShardedMasterParams(ModelGrads):
         for g, layout in enumerate(self.groups):
             mine = [p for p in params if any(p is q for q in layout.params)]
             if mine:
-                self._fill_shard_grad(g, mine)
+                self._fill_shard_grad(g, mine, keep_reduced=False)
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps (this rank's part)."""
@@ -289,23 +301,99 @@ class ShardedMasterParams(ModelGrads):
         return total
 
     def copy_to_model(self) -> None:
-        """Collective: cast this rank's updated shard down and all-gather every group's shards."""
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        """Collective: cast this rank's updated shard down and all-gather every group's shards.
+
+        In pieces of at most ``GATHER_PIECE`` elements per rank, all in flight together (gloo
+        gathers 32 MB at 1 Gbit/s in 0.14 s that way, in 0.19 s as one collective).
+        """
         with torch.no_grad():
+            works = []
             for layout, shard in zip(self.groups, self.shards, strict=True):
                 if layout.flat_half is None or layout.send is None:
                     continue
                 layout.send.copy_(shard)
                 if self.process_group is None or self.world == 1:
                     layout.flat_half.copy_(layout.send)
-                else:
-                    gather(layout.flat_half, layout.send, group=self.process_group)
+                    continue
+                size = layout.shard_size
+                for a in range(0, size, GATHER_PIECE):
+                    b = min(a + GATHER_PIECE, size)
+                    outs = [
+                        layout.flat_half[r * size + a : r * size + b] for r in range(self.world)
+                    ]
+                    works.append(
+                        dist.all_gather(
+                            outs, layout.send[a:b], group=self.process_group, async_op=True
+                        )
+                    )
+            for work in works:
+                work.wait()
 
     def release_master_grads(self) -> None:
         for chunks in self.chunks:
             for chunk in chunks:
                 chunk.grad = None
-        self.shard_grads = [None] * len(self.shards)
+        self.reduced = set()
+        if self.grad_buffer is None:
+            self.shard_grads = [None] * len(self.shards)
+
+    # -- distamp's reduce-scatter hook (distamp/hooks/zero.py) -----------------------------------
+
+    def flat_positions(self) -> dict[int, tuple[int, int]]:
+        """id(model parameter) -> (group, its first element in the group's flat layout)."""
+        return {
+            id(layout.params[r.index]): (r.group, r.start)
+            for layout in self.groups
+            for r in layout.ranges
+        }
+
+    def armed_grad_buffer(self) -> torch.Tensor:
+        """The persistent FP32 buffer that holds every group's shard gradient (made once; the
+        groups' shard gradients become views into it)."""
+        total = sum(s.numel() for s in self.shards)
+        if self.grad_buffer is None or self.grad_buffer.numel() != total:
+            self.grad_buffer = torch.zeros(total, dtype=torch.float32, device=self._device())
+            self.grad_offsets, offset = [], 0
+            for s in self.shards:
+                self.grad_offsets.append(offset)
+                offset += s.numel()
+            self.shard_grads = [
+                self.grad_buffer[o : o + s.numel()]
+                for o, s in zip(self.grad_offsets, self.shards, strict=True)
+            ]
+        return self.grad_buffer
+
+    def mark_reduced(self, param_ids: frozenset[int]) -> None:
+        """The hook wrote the reduced shard gradients of these parameters."""
+        self.reduced |= param_ids
+
+    def expose_unscaled(self, inv_scale: float) -> None:
+        """See [Note: unscale_ then torch's clip_grad_norm_]. Collective when the reduce-scatter
+        hook is in use: the model's ``.grad`` hold this rank's own gradients then, so the reduced,
+        unscaled shards are all-gathered into them (once per ``unscale_``, only when it is called)."""
+        if self.grad_buffer is None or self.world == 1:
+            super().expose_unscaled(inv_scale)
+            return
+        with torch.no_grad():
+            for g, layout in enumerate(self.groups):
+                grad = self.shard_grads[g]
+                if not layout.params or layout.flat_half is None or grad is None:
+                    continue
+                full = torch.empty_like(layout.flat_half)
+                mine = grad.to(full.dtype)
+                outs = [
+                    full[r * layout.shard_size : (r + 1) * layout.shard_size]
+                    for r in range(self.world)
+                ]
+                dist.all_gather(outs, mine, group=self.process_group)
+                for r, p in zip(layout.ranges, layout.params, strict=True):
+                    if p.grad is None:
+                        continue
+                    if id(p) in self.reduced:
+                        p.grad.copy_(full[r.start : r.start + r.numel].view(r.shape))
+                    else:
+                        p.grad.mul_(inv_scale)
+        self.exposed = {id(p): _grad_version(p) for p in self.separate_params()}
 
     def master_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.shards)

@@ -11,7 +11,9 @@ from torch import nn
 
 from ..collectives import backend_device
 from ..optim import AmpOptimizer, inner_optimizer
+from ..shard import ShardedMasterParams
 from .compress import CompressState, bf16_compress_hook, fp16_compress_hook
+from .zero import ZeroState, zero_reduce_hook
 
 _DISABLED = "_distamp_disabled"
 
@@ -29,6 +31,11 @@ def register(
     gradients) are reduced in the model's own dtype, overflow-safe; ``dtype=torch.float16`` sends a
     BF16 model's gradients as FP16 (3 more mantissa bits under loss scaling). If the process group
     cannot reduce that dtype, falls back to FP32 with one warning.
+
+    With sharded masters (O2 at more than one rank) the hook reduce-scatters each bucket into the
+    ranks' FP32 shard gradients instead of all-reducing it (see [Note: reduce-scatter into the
+    shards]): reduce-scatter + the all-gather of the updated weights move the bytes of one
+    all-reduce instead of 1.5 of them.
 
     A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
     buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
@@ -67,10 +74,29 @@ def register(
             stacklevel=2,
         )
         wire = torch.float32
+    masters = st.masters
+    if (
+        isinstance(masters, ShardedMasterParams)
+        and masters.world > 1
+        and _same_group(masters.process_group, group)
+        and wire != torch.float32
+    ):
+        # See [Note: reduce-scatter into the shards].
+        zero = ZeroState(process_group=group, wire_dtype=wire, masters=masters)
+        masters.armed_grad_buffer()
+        ddp_model.register_comm_hook(zero, zero_reduce_hook)
+        return zero
     state = CompressState(process_group=group, wire_dtype=wire)
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
     ddp_model.register_comm_hook(state, hook)
     return state
+
+
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    """Do ``a`` and ``b`` hold the same ranks in the same order?"""
+    if a is None or b is None:
+        return a is b
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
 def _can_reduce(dtype: torch.dtype, group: dist.ProcessGroup | None) -> bool:

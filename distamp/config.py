@@ -11,6 +11,10 @@ import torch
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+DISABLED_ATTR = "_distamp_disabled"
+"""Attribute ``wrap(..., enabled=False)`` sets on each optimizer: its resolved Properties. Every
+other distamp call reads it (through :func:`disabled_properties`) and becomes a no-op."""
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 LossScale = float | Literal["dynamic"]
@@ -337,3 +341,8 @@ def resolve_properties(
         shard_master_weights=shard,
         max_consecutive_skips=max_consecutive_skips,
     )
+
+
+def disabled_properties(optimizer: object) -> Properties | None:
+    """The Properties ``optimizer`` was wrapped with under ``enabled=False``; None otherwise."""
+    return getattr(optimizer, DISABLED_ATTR, None)

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
+from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .collectives import all_reduce_, broadcast_from_rank0_, check_same_on_all_ranks
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .nonfinite import check_and_unscale_
@@ -102,23 +103,14 @@ class FSDPParams(ModelGrads):
             groups = self._shard_groups(p.grad)
             entry = by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))
             entry[1].append(_local(p.grad))
-        parts = []
+        parts = [torch.zeros(1, dtype=torch.float32, device=device)]
         for groups, grads in by_groups.values():
-            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            part = (norms.max() if inf_norm else norms.pow(norm_type).sum()).reshape(1).to(device)
+            part = norm_part(grads, norm_type, device)
             for group in groups:
                 all_reduce_(part, op, group)
             parts.append(part)
-        if not parts:
-            total = torch.zeros((), dtype=torch.float32, device=device)
-        else:
-            stacked = torch.cat(parts)
-            total = stacked.max() if inf_norm else stacked.sum().pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for grads in (grads for _, grads in by_groups.values()):
-                for g in grads:
-                    g.mul_(coef.to(g.device))
+        total = total_norm(torch.cat(parts), norm_type)
+        scale_to_max_norm_([g for _, grads in by_groups.values() for g in grads], total, max_norm)
         return total
 
     def _shard_groups(self, grad: torch.Tensor) -> list[Any]:

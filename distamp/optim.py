@@ -15,7 +15,6 @@ optimizer steps. Keeping them scaled makes k micro-batches equal one k-times-lar
 
 from __future__ import annotations
 
-import enum
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,23 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .config import HALF_DTYPES
 from .forensics import NonFiniteReport
 from .nonfinite import check_and_unscale_, nonfinite_flag
+from .optstate import OptState
 
 if TYPE_CHECKING:
     from .scaler import Backward, ScalerGroup
-
-
-class OptState(enum.Enum):
-    """Where an optimizer is between two steps (torch.amp.GradScaler's state machine)."""
-
-    READY = "ready"
-    """No scaled gradients pending since the last step."""
-    SCALED = "scaled"
-    """``scale_loss`` produced gradients that are still multiplied by the loss scale."""
-    UNSCALED = "unscaled"
-    """``unscale_`` ran: gradients are true gradients and the skip decision is made."""
 
 
 class MasterWeights(Protocol):
@@ -239,12 +229,8 @@ class MasterParams(ModelGrads):
         """Clip :meth:`step_grads` to ``max_norm``; no collective: the reduced gradients (and so
         their norm) are identical on every rank."""
         grads = self.step_grads()
-        if not grads:
-            return torch.tensor(0.0)
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        total = total_norm(norm_part(grads, norm_type, self._device()), norm_type)
+        scale_to_max_norm_(grads, total, max_norm)
         return total
 
     def master_tensors(self) -> list[torch.Tensor]:

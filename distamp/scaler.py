@@ -29,6 +29,7 @@ from .forensics import (
     locate_nonfinite,
     locate_nonfinite_loss,
 )
+from .optstate import OptState
 
 if TYPE_CHECKING:
     from torch import nn
@@ -289,8 +290,6 @@ class ScalerGroup:
         loss: torch.Tensor | None = None,
     ) -> None:
         """Record the ``scale_loss`` block that just ran its backward at ``scale``."""
-        from .optim import OptState
-
         block = Backward(loss_id, list(states))
         if loss is not None:
             value = loss.detach()
@@ -326,8 +325,6 @@ class ScalerGroup:
         One MAX all-reduce of one flag per undecided block of ``st``; none when every block was
         decided by another optimizer's step already.
         """
-        from .optim import OptState
-
         assert st.grad_scale is not None
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
         undecided = [b for b in st.backwards if b.overflow is None]

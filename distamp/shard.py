@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .collectives import all_reduce_
 from .config import HALF_DTYPES
 from .nonfinite import check_and_unscale_, nonfinite_flag
@@ -284,20 +285,12 @@ class ShardedMasterParams(ModelGrads):
         replicated = [p.grad for p in self.replicated if p.grad is not None]
         device = self._device()
         inf_norm = math.isinf(norm_type)
-        local = torch.zeros(1, dtype=torch.float32, device=device)
-        for grads, count_here in ((shard_grads, True), (replicated, self.rank == 0)):
-            if not grads or not count_here:
-                continue
-            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-            part = norms.max() if inf_norm else norms.pow(norm_type).sum()
-            local = torch.maximum(local, part.reshape(1)) if inf_norm else local + part
+        counted = shard_grads + (replicated if self.rank == 0 else [])
+        local = norm_part(counted, norm_type, device)
         op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
         all_reduce_(local, op, self.process_group)
-        total = local[0] if inf_norm else local[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in shard_grads + replicated:
-                g.mul_(coef.to(g.device))
+        total = total_norm(local, norm_type)
+        scale_to_max_norm_(shard_grads + replicated, total, max_norm)
         return total
 
     def copy_to_model(self) -> None:

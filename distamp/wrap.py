@@ -15,7 +15,14 @@ from torch import nn
 
 from . import casting
 from .collectives import broadcast_from_rank0_, check_same_on_all_ranks
-from .config import HALF_DTYPES, Properties, check_opt_level, resolve_properties
+from .config import (
+    DISABLED_ATTR,
+    HALF_DTYPES,
+    Properties,
+    check_opt_level,
+    disabled_properties,
+    resolve_properties,
+)
 from .forensics import NonFiniteReport
 from .optim import (
     AmpOptimizer,
@@ -31,7 +38,6 @@ from .optim import (
 from .scaler import ScalerGroup
 from .shard import ShardedMasterParams
 
-_DISABLED = "_distamp_disabled"
 """Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
 
 
@@ -101,7 +107,7 @@ def wrap(
             opt_level, device_type=device_type, enabled=False, num_losses=num_losses
         )
         for opt in opt_list:
-            setattr(opt, _DISABLED, props)
+            setattr(opt, DISABLED_ATTR, props)
         return _same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
 
     props = resolve_properties(
@@ -509,7 +515,7 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
     if not given:
         raise ValueError(f"{what}: expected at least one optimizer, got an empty list")
     opts = [inner_optimizer(o) or o for o in given]
-    disabled = [getattr(o, _DISABLED, None) for o in opts]
+    disabled = [disabled_properties(o) for o in opts]
     if all(d is not None for d in disabled):
         return [], disabled[0]
     states = []

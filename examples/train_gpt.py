@@ -213,8 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--opt-level",
         choices=["auto", "O0", "O1", "O2", "O3"],
         default="auto",
-        help="distamp opt_level; auto: O2, or O0 on a CPU without bf16 units (where bf16 matmul "
-        "is ~100x slower)",
+        help="distamp opt_level; auto: O2, or on a CPU without bf16 units (bf16 matmul ~100x "
+        "slower there) O0 with gradients all-reduced in bf16",
     )
     model.add_argument(
         "--half-dtype",
@@ -393,12 +393,19 @@ def cpu_has_bf16() -> bool:
 
 
 def pick_opt_level(requested: str, device: torch.device, half_dtype: str) -> tuple[str, str]:
-    """(opt_level, why) for --opt-level auto."""
+    """(opt_level, why) for --opt-level auto: the fastest correct configuration for the machine."""
     if requested != "auto":
         return requested, ""
-    if device.type == "cuda" or half_dtype == "fp16" or cpu_has_bf16():
-        return "O2", ""
-    return "O0", " (auto: this CPU has no bf16 units, where bf16 runs ~100x slower than FP32)"
+    if device.type == "cuda":
+        return "O2", " (auto: GPU: half compute, FP32 masters sharded across ranks)"
+    if half_dtype == "fp16":
+        return "O2", " (auto: --half-dtype fp16 asked for)"
+    if cpu_has_bf16():
+        return "O2", " (auto: this CPU has bf16 units: bf16 compute, FP32 masters sharded)"
+    return "O0", (
+        " (auto: this CPU has no bf16 units, where bf16 matmul runs ~100x slower than FP32: FP32 "
+        "compute, gradients all-reduced in bf16)"
+    )
 
 
 def find_resume(args: argparse.Namespace) -> str | None:
@@ -661,7 +668,8 @@ def main() -> None:
     if backend is not None:
         train_model = DistributedDataParallel(model)
         no_sync = train_model.no_sync
-        if args.comm_hook and args.opt_level != "O0":  # O0 is the FP32 baseline: FP32 on the wire
+        # An explicit O0 is the FP32 baseline (FP32 on the wire); auto's O0 keeps a 16-bit wire.
+        if args.comm_hook and (args.opt_level != "O0" or "auto" in why):
             distamp.hooks.register(train_model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     first_step = 1

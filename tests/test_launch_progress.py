@@ -176,3 +176,22 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
 
     assert plot.main([str(tmp_path / "nothing")]) == 1
     assert "metrics.jsonl does not exist" in capsys.readouterr().out
+
+
+def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_first(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    from train_gpt import cpu_has_bf16, pick_opt_level
+
+    level, why = pick_opt_level("auto", torch.device("cpu"), "auto")
+    if cpu_has_bf16():
+        assert level == "O2" and "bf16 units" in why
+    else:
+        # FP32 compute, but a 16-bit wire: not the plain FP32 baseline.
+        assert level == "O0" and "no bf16 units" in why and "all-reduced in bf16" in why
+    assert pick_opt_level("O1", torch.device("cpu"), "auto") == ("O1", "")
+    cmd = [*torchrun(2), str(SCRIPT), *TINY[:-2], "--opt-level", "auto", "--steps", "2"]
+    cmd += ["--run-dir", str(tmp_path / "run")]
+    out = run(cmd, tmp_path)
+    first = out.splitlines()[0]
+    assert f"opt_level {level}{why}" in first, first

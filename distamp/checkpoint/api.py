@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..config import disabled_properties
 from ..optim import OptState, inner_optimizer
 from . import files
 from .files import CheckpointError, agree
 from .state import (
-    DISABLED,
     FlatGroup,
     OptimizerView,
     check_plain,
@@ -91,7 +91,9 @@ class _Target:
             self.props = self.scaler_group.props.as_plain_dict()
             self.pg = self.scaler_group.process_group
         else:
-            self.props = getattr(self.views[0].opt, DISABLED).as_plain_dict()
+            disabled = disabled_properties(self.views[0].opt)
+            assert disabled is not None  # a view without distamp state was wrapped disabled
+            self.props = disabled.as_plain_dict()
             self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self.world = dist.get_world_size(self.pg) if self.pg is not None else 1
         self.rank = dist.get_rank(self.pg) if self.pg is not None else 0

@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import disabled_properties
 from ..optim import AmpOptimizer, AmpOptimizerState, MasterParams
 from ..shard import ShardedMasterParams
 from .files import CheckpointError
-
-DISABLED = "_distamp_disabled"  # same attribute as distamp.wrap._DISABLED
 
 
 @dataclass(kw_only=True)
@@ -139,7 +138,7 @@ def optimizer_views(
     for o, opt in enumerate(optimizers):
         if isinstance(opt, AmpOptimizer):
             st: AmpOptimizerState | None = opt._distamp
-        elif getattr(opt, DISABLED, None) is not None:
+        elif disabled_properties(opt) is not None:
             st = None
         else:
             raise CheckpointError(

@@ -10,12 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives import backend_device
+from ..config import disabled_properties
 from ..optim import AmpOptimizer, inner_optimizer
 from ..shard import ShardedMasterParams
 from .compress import CompressState, bf16_compress_hook, fp16_compress_hook
 from .zero import ZeroState, zero_reduce_hook
-
-_DISABLED = "_distamp_disabled"
 
 
 def register(
@@ -51,7 +50,7 @@ def register(
             "(DDP allows one); register once, right after constructing DDP"
         )
     optimizer = inner_optimizer(optimizer) or optimizer  # an optimizer wrapper (apex's LARC)
-    if getattr(optimizer, _DISABLED, None) is not None:
+    if disabled_properties(optimizer) is not None:
         return None
     if not isinstance(optimizer, AmpOptimizer):
         raise TypeError(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .compress import CompressState, _compress_hook, _divide_then_cast
+from .compress import CompressState, _compress_hook
 
 if TYPE_CHECKING:
     from ..shard import ShardedMasterParams
@@ -36,16 +36,19 @@ PIECE = 1 << 20
 (gloo moves 8 pieces of 32 MB in 0.16 s at 1 Gbit/s, one all-to-all of it in 0.24 s)."""
 
 
+Run = tuple[int, int, int]
+"""(first element in the bucket buffer, count, first element in the masters' FP32 grad buffer)."""
+
+
 @dataclass(frozen=True)
 class _Piece:
-    send_index: torch.Tensor
-    """Positions in the bucket buffer, grouped by destination rank."""
+    sends: list[list[Run]]
+    """Per destination rank, the runs of the bucket sent to it, in order."""
     send_counts: list[int]
     """Elements sent to each rank."""
+    recv_runs: list[Run]
+    """The runs this rank owns in the piece (received from every rank, in this order)."""
     recv_count: int
-    """Elements this rank owns in the piece (received from every rank)."""
-    recv_index: torch.Tensor
-    """Where those land in the masters' flat FP32 gradient buffer."""
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,19 @@ def zero_reduce_hook(
     world = masters.world
     group = state.process_group
     idx = bucket.index()
-    total_send = sum(p.send_index.numel() for p in plan.pieces)
+    total_send = sum(sum(p.send_counts) for p in plan.pieces)
     send = state.buffer(idx, "send", total_send, wire)
     recv = state.buffer(idx, "recv", sum(p.recv_count * world for p in plan.pieces), wire)
     works = []
     sent = received = 0
     for piece in plan.pieces:
-        n_send, n_recv = piece.send_index.numel(), piece.recv_count * world
+        n_send, n_recv = sum(piece.send_counts), piece.recv_count * world
         out = send[sent : sent + n_send]
-        if buffer.dtype == wire:
-            torch.index_select(buffer, 0, piece.send_index, out=out).div_(world)
-        else:
-            _divide_then_cast(buffer.index_select(0, piece.send_index), world, wire, out)
+        at = 0
+        for runs in piece.sends:
+            for offset, count, _ in runs:
+                _divide_into(buffer[offset : offset + count], world, out[at : at + count])
+                at += count
         work = dist.all_to_all_single(
             recv[received : received + n_recv],
             out,
@@ -127,8 +131,11 @@ def zero_reduce_hook(
             if n:
                 parts = recv[offset : offset + n * world].view(world, n)
                 # One rounding to the wire dtype, as the all-reduce's sum (see the Note).
-                summed = parts.sum(0, dtype=torch.float32).to(wire).float()
-                grad_buffer.index_copy_(0, piece.recv_index, summed)
+                summed = parts.sum(0, dtype=torch.float32).to(wire)
+                at = 0
+                for _, count, dst in piece.recv_runs:
+                    grad_buffer[dst : dst + count].copy_(summed[at : at + count])
+                    at += count
             offset += n * world
         masters.mark_reduced(plan.param_ids)
         return buffer
@@ -169,26 +176,19 @@ def _plan(
             if a < b:
                 dst = masters.grad_offsets[group] + a - r * layout.shard_size
                 runs[r].append((offset + a - lo, b - a, dst))
-    per_rank = [_expand(rs) for rs in runs]
-    longest = max(len(src) for src, _ in per_rank)
+    longest = max(sum(n for _, n, _ in rs) for rs in runs)
     n_pieces = max(1, -(-longest // PIECE))
+    cut = [_cut(rs, n_pieces) for rs in runs]
     pieces = []
     for k in range(n_pieces):
-        send_parts, counts = [], []
-        for src, _ in per_rank:
-            q = -(-len(src) // n_pieces)
-            part = src[k * q : (k + 1) * q]
-            send_parts.append(part)
-            counts.append(len(part))
-        mine_src, mine_dst = per_rank[masters.rank]
-        q = -(-len(mine_src) // n_pieces)
-        recv_index = mine_dst[k * q : (k + 1) * q]
+        sends = [parts[k] for parts in cut]
+        mine = cut[masters.rank][k]
         pieces.append(
             _Piece(
-                send_index=torch.cat(send_parts),
-                send_counts=counts,
-                recv_count=len(recv_index),
-                recv_index=recv_index,
+                sends=sends,
+                send_counts=[sum(n for _, n, _ in rs) for rs in sends],
+                recv_runs=mine,
+                recv_count=sum(n for _, n, _ in mine),
             )
         )
     plan = _Plan(key=key, pieces=pieces, param_ids=frozenset(key))
@@ -196,11 +196,28 @@ def _plan(
     return plan
 
 
-def _expand(runs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bucket positions, flat-grad positions) of the elements of ``runs``, in order."""
-    if not runs:
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty
-    src = torch.cat([torch.arange(o, o + n) for o, n, _ in runs])
-    dst = torch.cat([torch.arange(d, d + n) for _, n, d in runs])
-    return src, dst
+def _divide_into(source: torch.Tensor, world: int, out: torch.Tensor) -> None:
+    """``out = source / world`` in the wire dtype of ``out``, dividing before casting down (see
+    [Note: divide before casting down]); ``source`` (the bucket) is left as it is."""
+    if source.dtype == out.dtype:
+        torch.div(source, world, out=out)
+    else:
+        out.copy_(source.float().div_(world))
+
+
+def _cut(runs: list[Run], n_pieces: int) -> list[list[Run]]:
+    """``runs`` cut into ``n_pieces`` consecutive parts of (nearly) equal element counts, splitting
+    runs where needed. Every rank cuts every destination's runs the same way, so what rank s sends
+    rank r in piece k is exactly what r expects from s in piece k."""
+    total = sum(n for _, n, _ in runs)
+    size = -(-total // n_pieces) if total else 0
+    parts: list[list[Run]] = [[] for _ in range(n_pieces)]
+    k, room = 0, size
+    for offset, count, dst in runs:
+        while count:
+            if room == 0:
+                k, room = k + 1, size
+            take = min(count, room)
+            parts[k].append((offset, take, dst))
+            offset, count, dst, room = offset + take, count - take, dst + take, room - take
+    return parts

@@ -1,0 +1,20 @@
+"""Where a wrapped optimizer is between two steps: torch.amp.GradScaler's per-optimizer state machine.
+
+Read by the optimizer (``step``/``zero_grad``), the loss scaler (which moves it) and the public
+functions (``unscale_``, ``clip_grad_norm_``), so it lives apart from all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class OptState(enum.Enum):
+    """Where an optimizer is between two steps (torch.amp.GradScaler's state machine)."""
+
+    READY = "ready"
+    """No scaled gradients pending since the last step."""
+    SCALED = "scaled"
+    """``scale_loss`` produced gradients that are still multiplied by the loss scale."""
+    UNSCALED = "unscaled"
+    """``unscale_`` ran: gradients are true gradients and the skip decision is made."""

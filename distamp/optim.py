@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .clipping import norm_part, scale_to_max_norm_, total_norm
+from .clipping import scale_to_max_norm_
 from .config import HALF_DTYPES
 from .forensics import NonFiniteReport
 from .nonfinite import check_and_unscale_, nonfinite_flag
@@ -229,7 +229,11 @@ class MasterParams(ModelGrads):
         """Clip :meth:`step_grads` to ``max_norm``; no collective: the reduced gradients (and so
         their norm) are identical on every rank."""
         grads = self.step_grads()
-        total = total_norm(norm_part(grads, norm_type, self._device()), norm_type)
+        if not grads:
+            return torch.tensor(0.0)
+        # torch's own norm, so a script clipping with torch.nn.utils.clip_grad_norm_ (apex's
+        # recipe, on amp.master_params) and one using distamp.clip_grad_norm_ agree bit for bit.
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
         scale_to_max_norm_(grads, total, max_norm)
         return total
 

@@ -130,8 +130,10 @@ def zero_reduce_hook(
             n = piece.recv_count
             if n:
                 parts = recv[offset : offset + n * world].view(world, n)
-                # One rounding to the wire dtype, as the all-reduce's sum (see the Note).
-                summed = parts.sum(0, dtype=torch.float32).to(wire)
+                # One rounding to the wire dtype, as the all-reduce's sum (see the Note): torch
+                # sums 16-bit values in FP32 and rounds the result once. Into the send buffer,
+                # which is free again (every piece was sent), so nothing is allocated here.
+                summed = torch.sum(parts, dim=0, out=send[:n])
                 at = 0
                 for _, count, dst in piece.recv_runs:
                     grad_buffer[dst : dst + count].copy_(summed[at : at + count])
@@ -155,6 +157,11 @@ def _plan(
     cached = state._plans.get(bucket.index(), None)
     if cached is not None and cached.key == key:
         return cached
+    if bucket.index() in state._plans:
+        # DDP rebuilt its buckets (once, after the first step): drop every plan and buffer of the
+        # old layout, or the old buckets' buffers would stay allocated next to the new ones.
+        state._plans.clear()
+        state._buffers.clear()
     where = masters.flat_positions()
     buffer = bucket.buffer()
     if buffer.is_sparse or any(id(p) not in where for p in params):

@@ -10,11 +10,12 @@ RMSprop, ...) steps it unchanged and keeps its per-group lr/weight_decay. Parame
 (normalization layers under O2) are few and small: they stay whole and replicated, stepped
 identically on every rank. Frozen parameters (``requires_grad=False``) are left out.
 
-[Note: gradient path] The gradients reach the shard through DDP's all-reduce (or distamp's comm
-hook) and a local slice. Megatron's reduce-scatter + all-gather moves 2x the data of a step
-instead of 3x, but on gloo reduce_scatter is slower than all_reduce (measured in
-benchmarks/sharded_optimizer.py), and the all-reduce path works with any DDP configuration;
-distamp takes the slice. After the step, the updated shard is cast to the half dtype and one
+[Note: gradient path] Without a comm hook the gradients reach the shard through DDP's all-reduce
+and a local slice: it works with any DDP configuration. With ``distamp.hooks.register`` the hook
+reduce-scatters each bucket straight into the owners' FP32 shard gradients (see [Note:
+reduce-scatter into the shards] in hooks/zero.py): Megatron's reduce-scatter + all-gather, 2x the
+data of a step instead of 3x, built from gloo's all-to-all because gloo's own reduce_scatter is
+slower than its all-reduce (measured in benchmarks/sharded_optimizer.py). After the step, the updated shard is cast to the half dtype and one
 all-gather per group writes every rank's shard into the model's weights, which are views into a
 flat half buffer laid out like the shards, so nothing is copied after the gather.
 """

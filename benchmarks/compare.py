@@ -70,7 +70,7 @@ BF16_CONFIGS = [
     "DeepSpeed ZeRO-1 bf16",
     "distamp O1 + hook",
     "distamp O2 replicated + hook",
-    "distamp O2 sharded + hook",
+    "distamp O2 sharded + reduce-scatter hook",
     "floor: pure bf16, no communication",
     "floor: autocast bf16, no communication",
 ]
@@ -213,14 +213,14 @@ def setup(
 
         return ds_step, opt, 2
     if config.startswith("distamp"):
-        level = config.split()[1]  # "distamp O2 sharded + hook" -> "O2"
+        level = config.split()[1]  # "distamp O2 sharded + reduce-scatter hook" -> "O2"
         opt = adamw(model.parameters())
         kwargs = {"shard_master_weights": "sharded" in config} if level == "O2" else {}
         model, opt = distamp.wrap(
             model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
         )
         ddp = ddp_of(model)
-        distamp.hooks.register(ddp, opt)
+        distamp.hooks.register(ddp, opt, reduce_scatter="reduce-scatter" in config)
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("floor"):
         if "pure" in config:

@@ -71,7 +71,7 @@ def _train(
         model, opt, opt_level="O2", half_dtype=half, shard_master_weights=sharded, verbosity=0
     )
     ddp = DDP(model, bucket_cap_mb=bucket_mb, find_unused_parameters=True)
-    state = distamp.hooks.register(ddp, opt)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=sharded)
     for step in range(steps):
         for m in range(micro):
             x, y = _batch(rank, step, m)
@@ -198,3 +198,41 @@ def test_one_big_bucket_trains_like_a_single_process_fp32_run():
         diff = (value - want[name]).abs()
         assert diff.max().item() < 8e-2 and diff.mean().item() < 5e-3, (name, diff.max())
     assert out[0]["scattered"] > 0
+
+
+def _refused(rank: int, world: int) -> str:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=False, verbosity=0)
+    ddp = DDP(model)
+    try:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_reduce_scatter_without_sharded_masters_is_refused_on_every_rank():
+    for message in run_ranks(_refused, 2):
+        assert "reduce_scatter=True" in message and "not sharded" in message, message
+
+
+def _default_keeps_ddp_gradients(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)  # sharded by default
+    ddp = DDP(model, find_unused_parameters=True)
+    state = distamp.hooks.register(ddp, opt)
+    x, y = _batch(rank, 0)
+    loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    gathered = [torch.zeros_like(grads) for _ in range(world)]
+    torch.distributed.all_gather(gathered, grads)
+    return not isinstance(state, ZeroState) and all(torch.equal(g, grads) for g in gathered)
+
+
+def test_by_default_every_rank_holds_the_reduced_gradients_after_backward():
+    assert all(run_ranks(_default_keeps_ddp_gradients, 2))

@@ -23,6 +23,7 @@ def register(
     dtype: torch.dtype | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    reduce_scatter: bool = False,
 ) -> CompressState | None:
     """Register distamp's compression hook on ``ddp_model`` for ``optimizer``'s opt_level.
 
@@ -31,10 +32,12 @@ def register(
     BF16 model's gradients as FP16 (3 more mantissa bits under loss scaling). If the process group
     cannot reduce that dtype, falls back to FP32 with one warning.
 
-    With sharded masters (O2 at more than one rank) the hook reduce-scatters each bucket into the
-    ranks' FP32 shard gradients instead of all-reducing it (see [Note: reduce-scatter into the
-    shards]): reduce-scatter + the all-gather of the updated weights move the bytes of one
-    all-reduce instead of 1.5 of them.
+    ``reduce_scatter=True`` (sharded masters only: O2 at more than one rank) reduce-scatters each
+    bucket into the ranks' FP32 shard gradients instead of all-reducing it (see [Note:
+    reduce-scatter into the shards]): with the all-gather of the updated weights, the bytes of one
+    all-reduce per step instead of 1.5. The model's ``.grad`` then keep each rank's own gradients
+    (ZeRO-2), which is why it is not the default: DDP's promise that every rank holds the reduced
+    gradients after backward holds only without it.
 
     A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
     buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
@@ -65,6 +68,22 @@ def register(
     st = optimizer._distamp
     props = st.group.props
     group = process_group if process_group is not None else ddp_model.process_group
+    masters = st.masters
+    if reduce_scatter and not (
+        isinstance(masters, ShardedMasterParams)
+        and masters.world > 1
+        and _same_group(masters.process_group, group)
+    ):
+        where = (
+            "sharded over another process group than the DDP model's"
+            if isinstance(masters, ShardedMasterParams) and masters.world > 1
+            else "not sharded"
+        )
+        raise ValueError(
+            "distamp.hooks.register(reduce_scatter=True): expected an optimizer whose FP32 masters "
+            f"are sharded over the DDP model's process group (O2 at more than one rank, "
+            f"shard_master_weights left on), found masters {where} (opt_level {props.opt_level})"
+        )
     wire = dtype or props.half_dtype
     if not _can_reduce(wire, group):
         warnings.warn(
@@ -73,13 +92,8 @@ def register(
             stacklevel=2,
         )
         wire = torch.float32
-    masters = st.masters
-    if (
-        isinstance(masters, ShardedMasterParams)
-        and masters.world > 1
-        and _same_group(masters.process_group, group)
-        and wire != torch.float32
-    ):
+    if reduce_scatter:
+        assert isinstance(masters, ShardedMasterParams)
         # See [Note: reduce-scatter into the shards].
         zero = ZeroState(process_group=group, wire_dtype=wire, masters=masters)
         masters.armed_grad_buffer()

@@ -309,19 +309,19 @@ class ShardedMasterParams(ModelGrads):
                 if self.process_group is None or self.world == 1:
                     layout.flat_half.copy_(layout.send)
                     continue
-                size = layout.shard_size
-                for a in range(0, size, GATHER_PIECE):
-                    b = min(a + GATHER_PIECE, size)
-                    outs = [
-                        layout.flat_half[r * size + a : r * size + b] for r in range(self.world)
-                    ]
-                    works.append(
-                        dist.all_gather(
-                            outs, layout.send[a:b], group=self.process_group, async_op=True
-                        )
-                    )
+                works += self._gather(layout, layout.send, layout.flat_half)
             for work in works:
                 work.wait()
+
+    def _gather(self, layout: _Group, mine: torch.Tensor, full: torch.Tensor) -> list[Any]:
+        """Collective: start all-gathering every rank's ``mine`` (one shard) into ``full`` (the
+        group's padded flat layout) in pieces of ``GATHER_PIECE``; the works to wait for."""
+        size, works = layout.shard_size, []
+        for a in range(0, size, GATHER_PIECE):
+            b = min(a + GATHER_PIECE, size)
+            outs = [full[r * size + a : r * size + b] for r in range(self.world)]
+            works.append(dist.all_gather(outs, mine[a:b], group=self.process_group, async_op=True))
+        return works
 
     def release_master_grads(self) -> None:
         for chunks in self.chunks:
@@ -365,7 +365,8 @@ class ShardedMasterParams(ModelGrads):
         """See [Note: unscale_ then torch's clip_grad_norm_]. Collective when the reduce-scatter
         hook is in use: the model's ``.grad`` hold this rank's own gradients then, so the reduced,
         unscaled shards are all-gathered into them (once per ``unscale_``, only when it is called)."""
-        if self.grad_buffer is None or self.world == 1:
+        # ``reduced`` is the same on every rank (DDP's buckets are), so all skip or all gather.
+        if not self.reduced or self.world == 1:
             super().expose_unscaled(inv_scale)
             return
         with torch.no_grad():
@@ -374,12 +375,8 @@ class ShardedMasterParams(ModelGrads):
                 if not layout.params or layout.flat_half is None or grad is None:
                     continue
                 full = torch.empty_like(layout.flat_half)
-                mine = grad.to(full.dtype)
-                outs = [
-                    full[r * layout.shard_size : (r + 1) * layout.shard_size]
-                    for r in range(self.world)
-                ]
-                dist.all_gather(outs, mine, group=self.process_group)
+                for work in self._gather(layout, grad.to(full.dtype), full):
+                    work.wait()
                 for r, p in zip(layout.ranges, layout.params, strict=True):
                     if p.grad is None:
                         continue

@@ -92,21 +92,29 @@ def _group_of(state: object) -> dist.ProcessGroup | None:
 
 
 def _divide_then_cast(
-    buffer: torch.Tensor, world: int, wire: torch.dtype, out: torch.Tensor | None
+    buffer: torch.Tensor,
+    world: int,
+    wire: torch.dtype,
+    out: torch.Tensor | None,
+    *,
+    keep_source: bool = False,
 ) -> torch.Tensor:
     """``buffer / world`` in at least the buffer's precision, then cast to ``wire`` (into ``out``).
 
     See [Note: divide before casting down]. Divides the bucket in place (its contents are replaced
-    by the reduced result anyway), so a same-dtype bucket is reduced with no copy at all. A half
-    buffer sent in the other half dtype (BF16 grads on an FP16 wire) goes through FP32 so the
-    division is rounded once.
+    by the reduced result anyway), so a same-dtype bucket is reduced with no copy at all;
+    ``keep_source`` leaves ``buffer`` as it is and writes the quotient into ``out`` (the
+    reduce-scatter hook sends a gathered copy and keeps the bucket). A half buffer sent in the
+    other half dtype (BF16 grads on an FP16 wire) goes through FP32 so the division is rounded once.
     """
     if buffer.dtype == wire:
-        return buffer.div_(world)
+        if keep_source and out is not None:
+            return torch.div(buffer, world, out=out)
+        return buffer.div_(world) if not keep_source else buffer / world
     if buffer.dtype != torch.float32 and wire != torch.float32:
         source = buffer.float().div_(world)
     else:
-        source = buffer.div_(world)
+        source = buffer / world if keep_source else buffer.div_(world)
     return source.to(wire) if out is None else out.copy_(source)
 
 

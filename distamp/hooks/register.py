@@ -69,15 +69,11 @@ def register(
     props = st.group.props
     group = process_group if process_group is not None else ddp_model.process_group
     masters = st.masters
-    if reduce_scatter and not (
-        isinstance(masters, ShardedMasterParams)
-        and masters.world > 1
-        and _same_group(masters.process_group, group)
-    ):
+    sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
+    sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1
+    if reduce_scatter and not (sharded and _same_group(sharded_over, group)):
         where = (
-            "sharded over another process group than the DDP model's"
-            if isinstance(masters, ShardedMasterParams) and masters.world > 1
-            else "not sharded"
+            "sharded over another process group than the DDP model's" if sharded else "not sharded"
         )
         raise ValueError(
             "distamp.hooks.register(reduce_scatter=True): expected an optimizer whose FP32 masters "

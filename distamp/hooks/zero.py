@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .compress import CompressState, _compress_hook
+from .compress import CompressState, _compress_hook, _divide_then_cast
 
 if TYPE_CHECKING:
     from ..shard import ShardedMasterParams
@@ -107,7 +107,10 @@ def zero_reduce_hook(
         at = 0
         for runs in piece.sends:
             for offset, count, _ in runs:
-                _divide_into(buffer[offset : offset + count], world, out[at : at + count])
+                part = out[at : at + count]
+                _divide_then_cast(
+                    buffer[offset : offset + count], world, wire, part, keep_source=True
+                )
                 at += count
         work = dist.all_to_all_single(
             recv[received : received + n_recv],
@@ -201,15 +204,6 @@ def _plan(
     plan = _Plan(key=key, pieces=pieces, param_ids=frozenset(key))
     state._plans[bucket.index()] = plan
     return plan
-
-
-def _divide_into(source: torch.Tensor, world: int, out: torch.Tensor) -> None:
-    """``out = source / world`` in the wire dtype of ``out``, dividing before casting down (see
-    [Note: divide before casting down]); ``source`` (the bucket) is left as it is."""
-    if source.dtype == out.dtype:
-        torch.div(source, world, out=out)
-    else:
-        out.copy_(source.float().div_(world))
 
 
 def _cut(runs: list[Run], n_pieces: int) -> list[list[Run]]:

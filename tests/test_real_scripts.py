@@ -6,7 +6,7 @@
 ``unscale_`` then ``torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)``,
 ``zero_grad(set_to_none=True)``, checkpoints at an interval and resume. ``llama_train`` follows a
 Hugging Face-style loop (``outputs = model(input_ids, labels=labels); outputs["loss"]``). Each
-runs at world 2 under O1 and O2 and is compared with the same script in plain FP32 (no distamp).
+runs at world 2 under O1 and O2 (nanoGPT also with the reduce-scatter hook) and is compared with the same script in plain FP32 (no distamp).
 """
 
 import math
@@ -64,7 +64,9 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
     model = NanoGPT(GPTConfig(block_size=BLOCK))
     optimizer = model.configure_optimizers(0.1, LEARNING_RATE, (0.9, 0.95))
     if level is not None:
-        model, optimizer = distamp.wrap(model, optimizer, opt_level=level, verbosity=0)
+        # "O2-rs": O2 with the reduce-scatter hook (hooks.register(..., reduce_scatter=True)).
+        opt_level = level.removesuffix("-rs")
+        model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0)
     iter_num = 0
     state_at_start = None
     if resume:
@@ -72,6 +74,8 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
         iter_num = extra["iter_num"]
         state_at_start = _state(model, optimizer)
     model = DDP(model)
+    if level is not None and level.endswith("-rs"):
+        distamp.hooks.register(model, optimizer, reduce_scatter=True)
     raw_model = model.module
     X, Y = get_batch()
     losses = []
@@ -159,7 +163,7 @@ def llama_train(rank, world, level):
 
 def _first_runs(rank, world, root):
     out = {"fp32": nanogpt_train(rank, world, None, None, MAX_ITERS, False, None)}
-    for level in ("O1", "O2"):
+    for level in ("O1", "O2", "O2-rs"):
         out[level] = nanogpt_train(
             rank, world, level, os.path.join(root, level), MAX_ITERS, False, MAX_ITERS // 2
         )
@@ -170,7 +174,7 @@ def _first_runs(rank, world, root):
 def _resumed_runs(rank, world, root):
     return {
         level: nanogpt_train(rank, world, level, os.path.join(root, level), MAX_ITERS, True, None)
-        for level in ("O1", "O2")
+        for level in ("O1", "O2", "O2-rs")
     }
 
 
@@ -182,7 +186,7 @@ def runs(tmp_path_factory):
     return first, resumed
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs"])
 def test_nanogpt_script_trains_like_fp32(runs, level):
     first, _ = runs
     fp32, amp = first[0]["fp32"]["losses"], first[0][level]["losses"]
@@ -192,7 +196,7 @@ def test_nanogpt_script_trains_like_fp32(runs, level):
         assert a == pytest.approx(b, rel=0.03)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs"])
 def test_nanogpt_script_ranks_agree_and_resume_exactly(runs, level):
     first, resumed = runs
     for rank in range(2):

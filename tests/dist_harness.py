@@ -19,6 +19,10 @@ DEFAULT_TIMEOUT_S = 240.0
 GRACE_AFTER_DEATH_S = 10.0
 
 
+SHARD_BLOCK_ENV = "DISTAMP_TEST_SHARD_BLOCK"
+"""Environment variable the spawned ranks read: elements per block of sharded masters."""
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -28,6 +32,13 @@ def _entry(
     args: tuple[Any, ...],
 ) -> None:
     torch.set_num_threads(1)
+    block = os.environ.get(SHARD_BLOCK_ENV)
+    if block:
+        # Smaller blocks of sharded masters, so that tiny test models have several rounds of
+        # them (see [Note: block-cyclic shards] in distamp/shard.py); set by ``small_blocks``.
+        import distamp.shard
+
+        distamp.shard.BLOCK = int(block)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         dist.init_process_group(

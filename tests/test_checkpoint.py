@@ -137,6 +137,15 @@ def second_half(rank, world, opt_level, shard, directory):
     "opt_level,shard", [("O1", None), ("O2", False), ("O2", True)], ids=["O1", "O2-rep", "O2-shard"]
 )
 def test_resume_is_bit_exact_in_new_processes(tmp_path, world, opt_level, shard):
+    _resume_is_bit_exact(tmp_path, world, opt_level, shard)
+
+
+@pytest.mark.parametrize("shard_block", [16], indirect=True, ids=["blocks-16"])
+def test_resume_is_bit_exact_with_many_blocks_per_shard(tmp_path, shard_block):
+    _resume_is_bit_exact(tmp_path, 2, "O2", True)
+
+
+def _resume_is_bit_exact(tmp_path, world, opt_level, shard):
     directory = str(tmp_path / "ckpt")
     expected = run_ranks(straight_then_first_half, world, opt_level, shard, directory)
     resumed = run_ranks(second_half, world, opt_level, shard, directory)  # new processes
@@ -168,7 +177,13 @@ def load_resave_continue(rank, world, directory, resaved):
     return opt._distamp.masters.sharded
 
 
-def test_reshard_on_load_at_other_world_sizes(tmp_path):
+@pytest.mark.parametrize(
+    "shard_block", [None, 16], indirect=True, ids=["blocks-default", "blocks-16"]
+)
+def test_reshard_on_load_at_other_world_sizes(tmp_path, shard_block):
+    """The checkpoint's canonical layout does not depend on how the shards are laid out: with
+    blocks of 16 elements every rank's shard is scattered over the flat buffer in many rounds
+    (see [Note: block-cyclic shards]) and must still save and load as torch.chunk pieces."""
     saved = str(tmp_path / "w2")
     run_ranks(save_at, 2, saved)
     reference_weights = consolidate(saved)

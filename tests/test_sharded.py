@@ -99,7 +99,19 @@ SHARDED_ELEMENTS = {0: 78 + 13 + 7 + 13, 1: 39 + 3}
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_sharded_equals_replicated_on_every_rank_after_every_step(runs, opt_name):
-    world, results = runs
+    _sharded_equals_replicated(*runs, opt_name)
+
+
+@pytest.mark.parametrize("shard_block", [4], indirect=True, ids=["blocks-4"])
+def test_sharded_equals_replicated_with_many_blocks_per_shard(shard_block):
+    """Blocks of 4 elements: every parameter is spread over all three ranks, round after round
+    (see [Note: block-cyclic shards]); the arithmetic is still the replicated one."""
+    results = run_ranks(_all_modes, 3)
+    for opt_name in OPTIMIZERS:
+        _sharded_equals_replicated(3, results, opt_name)
+
+
+def _sharded_equals_replicated(world, results, opt_name):
     for rank_result in results:
         sharded, replicated = rank_result[(opt_name, True)], rank_result[(opt_name, False)]
         for step, (a, b) in enumerate(zip(sharded["history"], replicated["history"], strict=True)):

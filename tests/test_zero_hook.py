@@ -60,6 +60,7 @@ def _train(
     torch_clip: bool = False,
     bucket_mb: float = 0.01,
     sgd: bool = False,
+    overlap: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     model = Net()
@@ -71,13 +72,15 @@ def _train(
         model, opt, opt_level="O2", half_dtype=half, shard_master_weights=sharded, verbosity=0
     )
     ddp = DDP(model, bucket_cap_mb=bucket_mb, find_unused_parameters=True)
-    state = distamp.hooks.register(ddp, opt, reduce_scatter=sharded)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=sharded, overlap_gather=overlap)
+    losses = []
     for step in range(steps):
         for m in range(micro):
             x, y = _batch(rank, step, m)
             sync = ddp.no_sync() if (no_sync and m < micro - 1) else _Null()
             with sync:
                 loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+                losses.append(loss.item())
                 with distamp.scale_loss(loss, opt) as scaled:
                     scaled.backward()
         if inf_at == (step, rank):
@@ -90,6 +93,7 @@ def _train(
     s = distamp.stats(opt)
     return {
         "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "losses": losses,
         "skipped": s.skipped_steps,
         "scale": s.loss_scales[0],
         "zero": isinstance(state, ZeroState),
@@ -124,8 +128,16 @@ def _close(a: dict, b: dict, atol: float) -> None:
         assert diff <= atol, (name, diff)
 
 
+BLOCKS = pytest.mark.parametrize(
+    "shard_block", [None, 16], indirect=True, ids=["blocks-default", "blocks-16"]
+)
+"""Also with blocks of 16 elements: many rounds of block-cyclic shards, each bucket cut into
+runs for every rank (see [Note: block-cyclic shards])."""
+
+
+@BLOCKS
 @pytest.mark.parametrize("world", [2, 3])
-def test_reduce_scatter_path_equals_the_all_reduce_path(world):
+def test_reduce_scatter_path_equals_the_all_reduce_path(world, shard_block):
     # SGD: a last-bit difference in a gradient stays a last-bit difference (Adam's normalized
     # step turns a gradient rounded to 0 on one path and 1e-9 on the other into a full lr step).
     out = run_ranks(_both, world, {"sgd": world > 2})
@@ -144,7 +156,8 @@ def test_reduce_scatter_path_equals_the_all_reduce_path(world):
     assert out[0]["rs"]["bytes"] <= out[0]["ar"]["bytes"]
 
 
-def test_inf_on_one_rank_only_skips_every_rank():
+@BLOCKS
+def test_inf_on_one_rank_only_skips_every_rank(shard_block):
     out = run_ranks(_both, 2, {"inf_at": (2, 1), "half": torch.float16})
     for r in out:
         assert r["rs"]["skipped"] == r["ar"]["skipped"] == 1
@@ -171,6 +184,76 @@ def test_torch_clipping_after_unscale_clips_the_reduced_gradients():
     assert out[0]["rs"]["zero"]
     assert _max_diff(out[0]["rs"]["weights"], out[0]["ar"]["weights"]) == 0.0
     assert _max_diff(out[1]["rs"]["weights"], out[0]["rs"]["weights"]) == 0.0
+
+
+def _overlapped(rank: int, world: int, kwargs: dict) -> dict:
+    return {
+        "overlap": _train(rank, world, True, overlap=True, **kwargs),
+        "rs": _train(rank, world, True, **kwargs),
+    }
+
+
+@BLOCKS
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_gather_overlapped_with_the_next_forward_trains_bit_for_bit_the_same(
+    world, shard_block
+):
+    """overlap_gather: the step returns before the weights arrive and each module's forward waits
+    for its own blocks. A module that ran on weights still in flight would change the loss."""
+    out = run_ranks(_overlapped, world, {"steps": 5, "torch_clip": world == 2})
+    for r in out:
+        assert r["overlap"]["losses"] == r["rs"]["losses"]
+        assert _max_diff(r["overlap"]["weights"], r["rs"]["weights"]) == 0.0
+    assert _max_diff(out[-1]["overlap"]["weights"], out[0]["overlap"]["weights"]) == 0.0
+
+
+def _overlap_run(rank: int, world: int, first: int, last: int, load: str, save: str) -> dict:
+    """Steps [first, last) with overlap_gather, resuming from ``load`` and saving to ``save``
+    right after the last step (while its gather may still be in flight)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    if load:
+        distamp.load_checkpoint(load, model, opt)
+    for step in range(first, last):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    if save:
+        distamp.save_checkpoint(save, model, opt)
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+@BLOCKS
+def test_checkpoints_of_overlapped_steps_resume_bit_exact(tmp_path, shard_block):
+    half = str(tmp_path / "half")
+    straight = run_ranks(_overlap_run, 2, 0, 4, "", "")[0]
+    run_ranks(_overlap_run, 2, 0, 2, "", half)
+    resumed = run_ranks(_overlap_run, 2, 2, 4, half, "")[0]  # new processes
+    assert _max_diff(resumed, straight) == 0.0
+
+
+def test_overlap_gather_without_reduce_scatter_is_refused():
+    out = run_ranks(_refused_overlap, 2)
+    for message in out:
+        assert "expected reduce_scatter=True" in message and "overlap_gather" in message
+
+
+def _refused_overlap(rank: int, world: int) -> str:
+    model = Net()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    ddp = DDP(model, find_unused_parameters=True)
+    try:
+        distamp.hooks.register(ddp, opt, overlap_gather=True)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
 
 
 def _against_fp32_reference(rank: int, world: int) -> dict:

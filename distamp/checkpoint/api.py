@@ -20,11 +20,13 @@ from torch import nn
 
 from ..config import disabled_properties
 from ..optim import OptState, inner_optimizer
+from ..shard import ShardedMasterParams
 from . import files
 from .files import CheckpointError, agree
 from .state import (
     FlatGroup,
     OptimizerView,
+    canonical_piece,
     check_plain,
     flat_masters,
     flat_starts,
@@ -79,6 +81,9 @@ class _Target:
         self.models = [unwrap_model(m) for m in raw_models]
         self.names = param_names(self.models)
         self.views = optimizer_views(raw_opts, self.names)
+        for view in self.views:  # the weights a step is still gathering (overlap_gather)
+            if view.st is not None and isinstance(view.st.masters, ShardedMasterParams):
+                view.st.masters.finish_gather()
         groups = {id(v.st.group) for v in self.views if v.st is not None}
         if len(groups) > 1:
             raise ValueError(
@@ -236,11 +241,9 @@ def _collect(
                 )
                 tensors, _, _ = flat_state(opt, flat, rank, world)
                 merged = info[(o, g)]
-                lo, hi = flat.piece(rank, world)
                 for key, dtype in merged["dtypes"].items():
-                    local = tensors.get(key)
-                    if local is None:  # no part of this rank's shard has that state yet
-                        local = torch.zeros(hi - lo, dtype=_dtype(dtype))
+                    # zeros where no part of this rank's shard has that state yet
+                    local = canonical_piece(flat, tensors.get(key), _dtype(dtype), rank, world)
                     sd[f"optim.{o}.g{g}.state.{key}"] = target.piece_tensor(local, flat.total)
                 flat_entry = {
                     "names": flat.names,
@@ -497,6 +500,8 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                 else torch.empty(shape, dtype=_dtype(dtype))
             )
     local_bufs: dict[str, torch.Tensor] = {}
+    reshuffle: list[tuple[str, ShardedMasterParams, int]] = []
+    """The sharded buffers DCP fills in the canonical layout, to lay out like the shards."""
     for entry, view in zip(manifest["optimizers"], target.views, strict=True):
         o = view.index
         for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
@@ -514,6 +519,7 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                         size = flat.sharded.groups[flat.group].shard_size
                         buf = torch.zeros(size, dtype=dtype, device=device)
                         local_bufs[name] = buf
+                        reshuffle.append((name, flat.sharded, flat.group))
                         dest[name] = target.piece_tensor(buf[: hi - lo], flat.total)
                     else:
                         buf = torch.zeros(flat.total, dtype=dtype, device=device)
@@ -528,6 +534,8 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                     )
 
     def install(loaded: dict[str, Any]) -> None:
+        for name, sharded, g in reshuffle:  # collective, in the same order on every rank
+            local_bufs[name] = sharded.from_canonical(g, local_bufs[name])
         with torch.no_grad():
             for i, model in enumerate(target.models):
                 prefix = f"model.{i}."

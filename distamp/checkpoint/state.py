@@ -221,12 +221,14 @@ def numel(shape: tuple[int, ...] | list[int]) -> int:
 
 
 def flat_masters(flat: FlatGroup, rank: int, world: int) -> torch.Tensor:
-    """This rank's piece of the canonical FP32 master tensor (a view where possible)."""
+    """This rank's piece of the canonical FP32 master tensor (a view where possible). Collective
+    with sharded masters (see :meth:`ShardedMasterParams.to_canonical`)."""
     lo, hi = flat.piece(rank, world)
     if flat.sharded is not None:
         layout = flat.sharded.groups[flat.group]
-        assert (layout.lo, layout.shard_size) == (lo, max(1, -(-flat.total // world))) or lo == hi
-        return flat.sharded.shards[flat.group][: hi - lo]
+        assert layout.shard_size == max(1, -(-flat.total // world)) or lo == hi
+        shard = flat.sharded.shards[flat.group]
+        return flat.sharded.to_canonical(flat.group, shard)[: hi - lo]
     full = torch.cat([m.detach().reshape(-1) for m in flat.masters])
     return full[lo:hi]
 
@@ -236,7 +238,9 @@ def flat_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]], list[bool | None]]:
     """This rank's piece of each element-wise state tensor, the per-parameter scalar state and
     which parameters have state at all (None where this rank holds no part of a parameter: its
-    state lives on other ranks, see :func:`merge_flat_info`)."""
+    state lives on other ranks, see :func:`merge_flat_info`). With sharded masters the pieces are
+    laid out like the shard (``shard_size`` long): :func:`canonical_piece` turns one into the
+    canonical piece."""
     lo, hi = flat.piece(rank, world)
     n = len(flat.names)
     if flat.sharded is not None:
@@ -262,7 +266,7 @@ def flat_state(
                     pieces[key][a:b] = value.detach()
                 else:
                     scalars.setdefault(key, [None] * n)[index] = _plain_scalar(value)
-        return {k: v[: hi - lo] for k, v in pieces.items()}, scalars, has
+        return pieces, scalars, has
     tensors_full: dict[str, list[torch.Tensor]] = {}
     scalars_out: dict[str, list[Any]] = {}
     has_state: list[bool | None] = [bool(opt.state.get(m)) for m in flat.masters]
@@ -284,6 +288,20 @@ def flat_state(
             )
         tensors[key] = torch.cat(pieces_full)[lo:hi]
     return tensors, scalars_out, has_state
+
+
+def canonical_piece(
+    flat: FlatGroup, local: torch.Tensor | None, dtype: torch.dtype, rank: int, world: int
+) -> torch.Tensor:
+    """This rank's canonical piece of one element-wise state tensor from :func:`flat_state`'s
+    ``local`` (zeros where this rank has none of it). Collective with sharded masters."""
+    lo, hi = flat.piece(rank, world)
+    if flat.sharded is None:
+        return local if local is not None else torch.zeros(hi - lo, dtype=dtype)
+    shard = flat.sharded.shards[flat.group]
+    if local is None:
+        local = torch.zeros(shard.numel(), dtype=dtype, device=shard.device)
+    return flat.sharded.to_canonical(flat.group, local)[: hi - lo]
 
 
 def merge_flat_info(infos: list[dict[Any, Any]]) -> dict[Any, Any]:

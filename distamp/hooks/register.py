@@ -24,6 +24,7 @@ def register(
     *,
     process_group: dist.ProcessGroup | None = None,
     reduce_scatter: bool = False,
+    overlap_gather: bool = False,
 ) -> CompressState | None:
     """Register distamp's compression hook on ``ddp_model`` for ``optimizer``'s opt_level.
 
@@ -38,6 +39,11 @@ def register(
     all-reduce per step instead of 1.5. The model's ``.grad`` then keep each rank's own gradients
     (ZeRO-2), which is why it is not the default: DDP's promise that every rank holds the reduced
     gradients after backward holds only without it.
+
+    ``overlap_gather=True`` (with ``reduce_scatter=True``) lets the step return before the updated
+    weights are all-gathered: the next forward waits for each module's weights as it reaches it
+    (see [Note: the gather overlaps the next forward]). Reading the weights outside forward,
+    ``state_dict()`` and distamp's checkpoints needs ``state.finish_gather()`` first.
 
     A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
     buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
@@ -71,6 +77,12 @@ def register(
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
     sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1
+    if overlap_gather and not reduce_scatter:
+        raise ValueError(
+            "distamp.hooks.register(overlap_gather=True): expected reduce_scatter=True as well "
+            "(the gather it overlaps is the second half of the reduce-scatter path), found "
+            "reduce_scatter=False"
+        )
     if reduce_scatter and not (sharded and _same_group(sharded_over, group)):
         where = (
             "sharded over another process group than the DDP model's" if sharded else "not sharded"
@@ -94,6 +106,9 @@ def register(
         zero = ZeroState(process_group=group, wire_dtype=wire, masters=masters)
         masters.armed_grad_buffer()
         ddp_model.register_comm_hook(zero, zero_reduce_hook)
+        if overlap_gather:
+            masters.wait_in_forward(ddp_model.module)
+            masters.overlap_gather = True
         return zero
     state = CompressState(process_group=group, wire_dtype=wire)
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook

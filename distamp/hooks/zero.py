@@ -69,6 +69,13 @@ class ZeroState(CompressState):
     _plans: dict[int, _Plan | None] = field(default_factory=dict, repr=False)
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
+    def finish_gather(self) -> None:
+        """With ``overlap_gather``: wait until the weights the last step updated have all arrived
+        in the model (needed only to read them outside forward; see [Note: the gather overlaps
+        the next forward])."""
+        if self.masters is not None:
+            self.masters.finish_gather()
+
     def buffer(self, index: int, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable flat buffer per bucket and purpose (no allocation per step)."""
         buf = self._buffers.get((index, kind))
@@ -180,12 +187,9 @@ def _plan(
         offset = (grad.data_ptr() - base) // size
         group, start = where[id(param)]
         layout = masters.groups[group]
-        lo, hi = start, start + param.numel()
-        for r in range(masters.world):
-            a, b = max(lo, r * layout.shard_size), min(hi, (r + 1) * layout.shard_size)
-            if a < b:
-                dst = masters.grad_offsets[group] + a - r * layout.shard_size
-                runs[r].append((offset + a - lo, b - a, dst))
+        # Every rank owns part of every long enough parameter ([Note: block-cyclic shards]).
+        for owner, a, count, pos in layout.owned(start, start + param.numel()):
+            runs[owner].append((offset + a - start, count, masters.grad_offsets[group] + pos))
     longest = max(sum(n for _, n, _ in rs) for rs in runs)
     n_pieces = max(1, -(-longest // PIECE))
     cut = [_cut(rs, n_pieces) for rs in runs]

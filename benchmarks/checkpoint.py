@@ -91,7 +91,8 @@ def baseline_load(path: Path, opt: torch.optim.Optimizer) -> None:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             full = state["optimizer"][key][g] if rank == 0 else torch.empty(layout.padded)
             dist.broadcast(full, src=0)
-            mine = full[layout.lo : layout.hi]
+            # rank-major, as baseline_save gathered it (not the flat parameter order)
+            mine = full[rank * layout.shard_size : (rank + 1) * layout.shard_size]
             if key == "master":
                 masters.shards[g].copy_(mine)
     masters.copy_to_model()

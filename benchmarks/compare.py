@@ -71,6 +71,7 @@ BF16_CONFIGS = [
     "distamp O1 + hook",
     "distamp O2 replicated + hook",
     "distamp O2 sharded + reduce-scatter hook",
+    "distamp O2 sharded + reduce-scatter hook + overlapped gather",
     "floor: pure bf16, no communication",
     "floor: autocast bf16, no communication",
 ]
@@ -220,7 +221,12 @@ def setup(
             model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
         )
         ddp = ddp_of(model)
-        distamp.hooks.register(ddp, opt, reduce_scatter="reduce-scatter" in config)
+        distamp.hooks.register(
+            ddp,
+            opt,
+            reduce_scatter="reduce-scatter" in config,
+            overlap_gather="overlapped gather" in config,
+        )
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("floor"):
         if "pure" in config:
@@ -264,17 +270,25 @@ def worker(
     if step is not None:
         data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
         times, losses = [], []
+        # [Note: steps timed back to back] One barrier before the timed steps, none between them:
+        # a step's time runs from the end of the previous one to its own end (its batch included),
+        # so work a configuration defers past step() (an all-gather still in flight, waited for
+        # in the next forward) is counted in the step that waits for it. A barrier per step would
+        # wait for that work outside the timed window.
+        start = time.perf_counter()
         for i in range(opts["warmup"] + opts["steps"]):
+            if i == opts["warmup"]:
+                dist.barrier()
+                start = time.perf_counter()
             x, y = data.batch(opts["batch"], device, i)
-            dist.barrier()
-            start = time.perf_counter()
             loss = step(x, y)
+            losses.append(float(loss))
             if use_cuda:
                 torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            losses.append(float(loss))
+            end = time.perf_counter()
             if i >= opts["warmup"]:
-                times.append(elapsed)
+                times.append(end - start)
+            start = end
         result |= {
             "times": times,
             "first_loss": losses[0],

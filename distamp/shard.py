@@ -2,22 +2,26 @@
 
 [Note: flat padded shards] For each param group, the parameters that are cast to the half dtype
 are laid end to end in one flat buffer (in ``param_groups`` order, identical on every rank), padded
-to a multiple of the world size, and cut into N equal shards; a parameter may straddle two shards
-(DeepSpeed/Megatron do the same). Rank r owns elements ``[r*S, (r+1)*S)`` of every group: its FP32
-masters and the optimizer state of exactly that range. The inner optimizer's group then holds one
-flat FP32 tensor per group, so any element-wise ``torch.optim`` optimizer (SGD, Adam/AdamW, Adagrad,
-RMSprop, ...) steps it unchanged and keeps its per-group lr/weight_decay. Parameters that stay FP32
-(normalization layers under O2) are few and small: they stay whole and replicated, stepped
-identically on every rank. Frozen parameters (``requires_grad=False``) are left out.
+to a multiple of the world size, and cut into N equal shards of S elements; a parameter may
+straddle shards (DeepSpeed/Megatron do the same). Which elements rank r owns is set by [Note:
+block-cyclic shards]: blocks of every stretch of the buffer, not one contiguous range, so every
+DDP bucket has a part on every rank. A rank holds the FP32 masters and the optimizer state of
+exactly what it owns, as one flat tensor per group, so any element-wise ``torch.optim`` optimizer
+(SGD, Adam/AdamW, Adagrad, RMSprop, ...) steps it unchanged and keeps its per-group
+lr/weight_decay. Parameters that stay FP32 (normalization layers under O2) are few and small: they
+stay whole and replicated, stepped identically on every rank. Frozen parameters
+(``requires_grad=False``) are left out.
 
 [Note: gradient path] Without a comm hook the gradients reach the shard through DDP's all-reduce
-and a local slice: it works with any DDP configuration. With ``distamp.hooks.register`` the hook
-reduce-scatters each bucket straight into the owners' FP32 shard gradients (see [Note:
-reduce-scatter into the shards] in hooks/zero.py): Megatron's reduce-scatter + all-gather, 2x the
-data of a step instead of 3x, built from gloo's all-to-all because gloo's own reduce_scatter is
-slower than its all-reduce (measured in benchmarks/sharded_optimizer.py). After the step, the updated shard is cast to the half dtype and one
-all-gather per group writes every rank's shard into the model's weights, which are views into a
-flat half buffer laid out like the shards, so nothing is copied after the gather.
+and a local slice: it works with any DDP configuration. With ``distamp.hooks.register(...,
+reduce_scatter=True)`` the hook reduce-scatters each bucket straight into the owners' FP32 shard
+gradients (see [Note: reduce-scatter into the shards] in hooks/zero.py): Megatron's reduce-scatter
++ all-gather, the bytes of one all-reduce per step instead of 1.5x, built from gloo's all-to-all
+because gloo's own reduce_scatter is slower than its all-reduce (measured in
+benchmarks/sharded_optimizer.py). After the step, the updated shard is cast to the half dtype and
+one all-gather per block writes every rank's blocks into the model's weights, which are views into
+a flat half buffer, so nothing is copied after the gather; with ``overlap_gather=True`` the next
+forward waits for them module by module (see [Note: the gather overlaps the next forward]).
 """
 
 from __future__ import annotations
@@ -434,13 +438,14 @@ class ShardedMasterParams(ModelGrads):
         group's padded flat layout), one block at a time; the works to wait for."""
         works = []
         for j, (pos, length) in enumerate(layout.rounds):
-            outs = [
-                full[layout.flat_start(r, j) : layout.flat_start(r, j) + length]
-                for r in range(self.world)
-            ]
+            # Round j's blocks lie end to end, rank 0 first: one tensor, no staging copy.
+            start = layout.flat_start(0, j)
             works.append(
-                dist.all_gather(
-                    outs, mine[pos : pos + length], group=self.process_group, async_op=True
+                dist.all_gather_into_tensor(
+                    full[start : start + length * self.world],
+                    mine[pos : pos + length],
+                    group=self.process_group,
+                    async_op=True,
                 )
             )
         return works

@@ -254,6 +254,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="reduce gradients in the half dtype with distamp.hooks.register (not at O0)",
     )
+    dist_group.add_argument(
+        "--reduce-scatter",
+        action="store_true",
+        help="O2 with sharded masters: reduce-scatter the gradients into the shards and overlap "
+        "the all-gather of the updated weights with the next forward (ZeRO's gradient path; "
+        "each rank's .grad then holds its own gradients)",
+    )
+    dist_group.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="DDP's bucket_cap_mb (default: 25, DDP's own; 2-4 overlap better on slow links)",
+    )
     out = add_progress_arguments(parser, log_every=10, run_name="gpt-SIZE")
     out.add_argument("--json", type=Path, default=None, help="rank 0 writes a summary here")
     ckpt = parser.add_argument_group("checkpoints")
@@ -666,10 +679,14 @@ def main() -> None:
     train_model: nn.Module = model
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     if backend is not None:
-        train_model = DistributedDataParallel(model)
+        train_model = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         no_sync = train_model.no_sync
         # An explicit O0 is the FP32 baseline (FP32 on the wire); auto's O0 keeps a 16-bit wire.
-        if args.comm_hook and (args.opt_level != "O0" or "auto" in why):
+        if args.reduce_scatter:
+            distamp.hooks.register(  # distamp: ZeRO's gradient path
+                train_model, optimizer, reduce_scatter=True, overlap_gather=True
+            )
+        elif args.comm_hook and (args.opt_level != "O0" or "auto" in why):
             distamp.hooks.register(train_model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     first_step = 1

@@ -207,6 +207,15 @@ def test_the_gather_overlapped_with_the_next_forward_trains_bit_for_bit_the_same
     assert _max_diff(out[-1]["overlap"]["weights"], out[0]["overlap"]["weights"]) == 0.0
 
 
+def test_an_inf_on_one_rank_only_skips_every_rank_with_the_gather_overlapped():
+    out = run_ranks(_overlapped, 2, {"inf_at": (2, 1), "half": torch.float16})
+    for r in out:
+        assert r["overlap"]["skipped"] == r["rs"]["skipped"] == 1
+        assert r["overlap"]["scale"] == 2.0**15
+        assert r["overlap"]["losses"] == r["rs"]["losses"]
+        assert _max_diff(r["overlap"]["weights"], r["rs"]["weights"]) == 0.0
+
+
 def _overlap_run(rank: int, world: int, first: int, last: int, load: str, save: str) -> dict:
     """Steps [first, last) with overlap_gather, resuming from ``load`` and saving to ``save``
     right after the last step (while its gather may still be in flight)."""

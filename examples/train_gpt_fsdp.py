@@ -30,6 +30,7 @@ from train_gpt import (
     RandomWindows,
     add_progress_arguments,
     check_progress_arguments,
+    leave_without_destructors,
     load_stdlib_bytes,
     lr_lambda,
     pick_opt_level,
@@ -159,3 +160,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_without_destructors()

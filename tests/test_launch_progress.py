@@ -185,7 +185,7 @@ def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_fi
 
     level, why = pick_opt_level("auto", torch.device("cpu"), "auto")
     if cpu_has_bf16():
-        assert level == "O2" and "bf16 units" in why
+        assert level == "O2" and "bf16 units" in why and "reduce-scattered" in why
     else:
         # FP32 compute, but a 16-bit wire: not the plain FP32 baseline.
         assert level == "O0" and "no bf16 units" in why and "all-reduced in bf16" in why

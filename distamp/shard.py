@@ -441,7 +441,7 @@ class ShardedMasterParams(ModelGrads):
             # Round j's blocks lie end to end, rank 0 first: one tensor, no staging copy.
             start = layout.flat_start(0, j)
             works.append(
-                dist.all_gather_into_tensor(
+                dist.all_gather_single(
                     full[start : start + length * self.world],
                     mine[pos : pos + length],
                     group=self.process_group,

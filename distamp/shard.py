@@ -197,6 +197,8 @@ class ShardedMasterParams(ModelGrads):
         self.overlap_gather = False
         """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
         the next forward]."""
+        self.watched_groups = 0
+        """Groups whose modules wait in forward (a group added later is gathered at once)."""
         self.pending: list[list[Any]] = []
         """Per group, the all-gather works of the last step not waited for yet, one per round."""
         self.waited: list[int] = []
@@ -281,6 +283,8 @@ class ShardedMasterParams(ModelGrads):
         kept = [p for p in params if not (fp32_masters and p.dtype in HALF_DTYPES)]
         chunks = self._new_group(sharded, [{} for _ in sharded], None)
         self._lay_out(self.groups[-1])
+        if self.grad_buffer is not None:  # the reduce-scatter hook writes the new group's too
+            self.armed_grad_buffer()
         self.replicated += kept
         self.model_params = [p for g in self.groups for p in g.params] + self.replicated
         return [*chunks, *kept]
@@ -385,6 +389,9 @@ class ShardedMasterParams(ModelGrads):
         self.pending, self.waited = works, [0] * len(works)
         if not (overlap and self.overlap_gather):
             self.finish_gather()
+            return
+        for g in range(self.watched_groups, len(works)):  # no forward hook waits for these
+            self.wait_rounds(g, len(works[g]))
 
     def finish_gather(self) -> None:
         """Wait for every all-gather of the last step still in flight."""
@@ -429,6 +436,7 @@ class ShardedMasterParams(ModelGrads):
                 needed[g] = max(needed.get(g, 0), min(last, len(layout.rounds) - 1) + 1)
             if needed:
                 handles.append(sub.register_forward_pre_hook(_RoundWaiter(self, needed)))
+        self.watched_groups = len(self.groups)
         handles.append(module.register_state_dict_pre_hook(_FinishGather(self)))
         handles.append(module.register_load_state_dict_pre_hook(_FinishGather(self)))
         return handles
@@ -469,11 +477,15 @@ class ShardedMasterParams(ModelGrads):
         }
 
     def armed_grad_buffer(self) -> torch.Tensor:
-        """The persistent FP32 buffer that holds every group's shard gradient (made once; the
-        groups' shard gradients become views into it)."""
+        """The persistent FP32 buffer that holds every group's shard gradient (made once, grown
+        when a group is added: the groups already there keep their offsets and what the hook
+        wrote; the groups' shard gradients become views into it)."""
         total = sum(s.numel() for s in self.shards)
         if self.grad_buffer is None or self.grad_buffer.numel() != total:
+            old = self.grad_buffer
             self.grad_buffer = torch.zeros(total, dtype=torch.float32, device=self._device())
+            if old is not None:
+                self.grad_buffer[: old.numel()].copy_(old)
             self.grad_offsets, offset = [], 0
             for s in self.shards:
                 self.grad_offsets.append(offset)

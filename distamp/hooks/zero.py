@@ -54,7 +54,9 @@ class _Piece:
 @dataclass(frozen=True)
 class _Plan:
     key: tuple[int, ...]
+    """The bucket's parameters (ids) and the number of sharded groups the plan was made for."""
     pieces: list[_Piece]
+    """Empty: the bucket is all-reduced (it holds something the masters do not shard)."""
     param_ids: frozenset[int]
 
 
@@ -66,7 +68,7 @@ class ZeroState(CompressState):
     """The sharded masters the reduced gradients are written into."""
     buckets_scattered: int = 0
     """Buckets reduce-scattered (the rest were all-reduced) since the hook was registered."""
-    _plans: dict[int, _Plan | None] = field(default_factory=dict, repr=False)
+    _plans: dict[int, _Plan] = field(default_factory=dict, repr=False)
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def finish_gather(self) -> None:
@@ -96,7 +98,7 @@ def zero_reduce_hook(
     masters = state.masters
     assert masters is not None and state.wire_dtype is not None
     plan = _plan(state, masters, bucket)
-    if plan is None:
+    if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
     buffer = bucket.buffer()
     wire = state.wire_dtype
@@ -156,18 +158,16 @@ def zero_reduce_hook(
     return fut.then(reduce)
 
 
-def _plan(
-    state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradBucket
-) -> "_Plan | None":
+def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradBucket) -> _Plan:
     """Which elements of ``bucket`` go to which rank, cached per bucket (DDP rebuilds its buckets
-    once, after the first step); None when the bucket holds a parameter these masters do not
-    shard, or a sparse gradient."""
+    once, after the first step; ``add_param_group`` adds a sharded group); no pieces when the
+    bucket holds a parameter these masters do not shard, or a sparse gradient."""
     params = bucket.parameters()
-    key = tuple(id(p) for p in params)
-    cached = state._plans.get(bucket.index(), None)
+    key = (*(id(p) for p in params), len(masters.groups))
+    cached = state._plans.get(bucket.index())
     if cached is not None and cached.key == key:
         return cached
-    if bucket.index() in state._plans:
+    if cached is not None and cached.key[:-1] != key[:-1]:
         # DDP rebuilt its buckets (once, after the first step): drop every plan and buffer of the
         # old layout, or the old buckets' buffers would stay allocated next to the new ones.
         state._plans.clear()
@@ -175,8 +175,10 @@ def _plan(
     where = masters.flat_positions()
     buffer = bucket.buffer()
     if buffer.is_sparse or any(id(p) not in where for p in params):
-        state._plans[bucket.index()] = None
-        return None
+        plan = _Plan(key=key, pieces=[], param_ids=frozenset())
+        state._plans[bucket.index()] = plan
+        return plan
+    masters.armed_grad_buffer()  # a group added since registration has its offset now
     # Each gradient's offset in the bucket's flat buffer.
     grads = bucket.gradients()
     base = buffer.data_ptr()
@@ -205,7 +207,7 @@ def _plan(
                 recv_count=sum(n for _, n, _ in mine),
             )
         )
-    plan = _Plan(key=key, pieces=pieces, param_ids=frozenset(key))
+    plan = _Plan(key=key, pieces=pieces, param_ids=frozenset(key[:-1]))
     state._plans[bucket.index()] = plan
     return plan
 

@@ -516,7 +516,9 @@ def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:
         return None
     group = st.group.process_group
     world = dist.get_world_size(group) if group is not None else 1
-    return {"rank": dist.get_rank(group) if group is not None else 0, "world_size": world}
+    rank = dist.get_rank(group) if group is not None else 0
+    # The block size fixes which elements a rank's shard holds ([Note: block-cyclic shards]).
+    return {"rank": rank, "world_size": world, "block": int(getattr(st.masters, "block", 0))}
 
 
 def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None:
@@ -532,8 +534,10 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
         def show(shard: dict[str, int] | None) -> str:
             if shard is None:
                 return "all FP32 masters (replicated)"
+            blocks = f" in blocks of {shard['block']}" if "block" in shard else " (contiguous)"
             return (
                 f"rank {shard['rank']}'s shard of the FP32 masters of {shard['world_size']} ranks"
+                f"{blocks}"
             )
 
         raise ValueError(

@@ -194,6 +194,8 @@ class ShardedMasterParams(ModelGrads):
         """Where each group's shard gradient starts in ``grad_buffer``."""
         self.reduced: set[int] = set()
         """ids of the parameters whose shard gradient the hook wrote since the last step."""
+        self.block = BLOCK
+        """Elements per block of every group's shard ([Note: block-cyclic shards])."""
         self.overlap_gather = False
         """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
         the next forward]."""

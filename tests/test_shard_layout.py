@@ -8,7 +8,7 @@ layout that makes it run both ways, and that the checkpoint's canonical pieces s
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import run_ranks
+from dist_harness import SHARD_BLOCK_ENV, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -137,3 +137,30 @@ def test_each_bucket_is_reduce_scattered_to_every_rank():
     assert big, shares
     for sent in big:
         assert min(sent) >= 0.3 * sum(sent), sent
+
+
+def _save_or_load_own_state(rank, world, path, load):
+    model = Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    if not load:
+        torch.save(opt.state_dict(), f"{path}.{rank}")
+        return "saved"
+    try:
+        opt.load_state_dict(torch.load(f"{path}.{rank}", weights_only=True))
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_per_rank_optimizer_state_dict_of_another_block_size_is_refused(tmp_path, monkeypatch):
+    """Each rank's optimizer.state_dict() holds its shard; with another block size the same shard
+    holds other elements, so loading it must fail with a clear error, not mix weights."""
+    path = str(tmp_path / "opt")
+    monkeypatch.setenv(SHARD_BLOCK_ENV, "4096")
+    assert run_ranks(_save_or_load_own_state, 2, path, False) == ["saved"] * 2
+    assert run_ranks(_save_or_load_own_state, 2, path, True) == ["loaded"] * 2
+    monkeypatch.delenv(SHARD_BLOCK_ENV)
+    for rank, message in enumerate(run_ranks(_save_or_load_own_state, 2, path, True)):
+        assert f"rank {rank}'s shard of the FP32 masters of 2 ranks in blocks of 4096" in message
+        assert f"in blocks of {shard.BLOCK}" in message

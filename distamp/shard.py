@@ -67,7 +67,9 @@ class ParamRange:
 class _Group:
     """One param group's flat layout and this rank's shard of it."""
 
-    def __init__(self, params: list[nn.Parameter], group_index: int, world: int, rank: int) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], group_index: int, world: int, rank: int, block: int
+    ) -> None:
         self.params = params
         self.world, self.rank = world, rank
         self.ranges: list[ParamRange] = []
@@ -94,7 +96,7 @@ class _Group:
         # ceil(total / N) elements, the same shards and padding as contiguous ZeRO-1; with one
         # round (a shard of at most BLOCK elements, or one rank) it is exactly contiguous ZeRO-1.
         # Checkpoints keep the contiguous canonical layout: see :meth:`ShardedMasterParams.to_canonical`.
-        self.block = BLOCK
+        self.block = block
         self.rounds: list[tuple[int, int]] = [
             (a, min(self.block, self.shard_size - a)) for a in range(0, self.shard_size, self.block)
         ]
@@ -239,7 +241,7 @@ class ShardedMasterParams(ModelGrads):
     ) -> list[torch.Tensor]:
         """Lay ``sharded`` out as a new group; this rank's shard, its slices and their state."""
         g = len(self.groups)
-        layout = _Group(sharded, g, self.world, self.rank)
+        layout = _Group(sharded, g, self.world, self.rank, self.block)
         shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
         with torch.no_grad():
             for index, src, count, dst in layout.pieces:

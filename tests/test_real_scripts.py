@@ -64,8 +64,9 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
     model = NanoGPT(GPTConfig(block_size=BLOCK))
     optimizer = model.configure_optimizers(0.1, LEARNING_RATE, (0.9, 0.95))
     if level is not None:
-        # "O2-rs": O2 with the reduce-scatter hook (hooks.register(..., reduce_scatter=True)).
-        opt_level = level.removesuffix("-rs")
+        # "O2-rs": O2 with the reduce-scatter hook (hooks.register(..., reduce_scatter=True));
+        # "O2-ov": that, with the weight gather overlapped with the next forward.
+        opt_level = level.split("-")[0]
         model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0)
     iter_num = 0
     state_at_start = None
@@ -74,8 +75,9 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
         iter_num = extra["iter_num"]
         state_at_start = _state(model, optimizer)
     model = DDP(model)
-    if level is not None and level.endswith("-rs"):
-        distamp.hooks.register(model, optimizer, reduce_scatter=True)
+    if level is not None and level.endswith(("-rs", "-ov")):
+        overlap = level.endswith("-ov")
+        distamp.hooks.register(model, optimizer, reduce_scatter=True, overlap_gather=overlap)
     raw_model = model.module
     X, Y = get_batch()
     losses = []
@@ -111,7 +113,7 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
             )
     return {
         "losses": losses,
-        "params": [p.detach().float().clone() for p in raw_model.parameters()],
+        "params": [v.detach().float().clone() for v in raw_model.state_dict().values()],
         "saved_state": saved_state if save_at is not None else None,
         "state_at_start": state_at_start,
     }
@@ -127,7 +129,8 @@ def _state(model, optimizer):
     ]
     stats = distamp.stats(optimizer)
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        # through state_dict(), as nanoGPT reads them (it waits for an overlapped gather)
+        "params": [v.detach().clone() for v in model.state_dict().values()],
         "masters": [m.detach().clone() for m in masters],
         "optimizer": inner,
         "counters": (stats.steps, stats.skipped_steps, stats.loss_scales),
@@ -163,7 +166,7 @@ def llama_train(rank, world, level):
 
 def _first_runs(rank, world, root):
     out = {"fp32": nanogpt_train(rank, world, None, None, MAX_ITERS, False, None)}
-    for level in ("O1", "O2", "O2-rs"):
+    for level in ("O1", "O2", "O2-rs", "O2-ov"):
         out[level] = nanogpt_train(
             rank, world, level, os.path.join(root, level), MAX_ITERS, False, MAX_ITERS // 2
         )
@@ -174,7 +177,7 @@ def _first_runs(rank, world, root):
 def _resumed_runs(rank, world, root):
     return {
         level: nanogpt_train(rank, world, level, os.path.join(root, level), MAX_ITERS, True, None)
-        for level in ("O1", "O2", "O2-rs")
+        for level in ("O1", "O2", "O2-rs", "O2-ov")
     }
 
 
@@ -186,7 +189,7 @@ def runs(tmp_path_factory):
     return first, resumed
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov"])
 def test_nanogpt_script_trains_like_fp32(runs, level):
     first, _ = runs
     fp32, amp = first[0]["fp32"]["losses"], first[0][level]["losses"]
@@ -196,7 +199,7 @@ def test_nanogpt_script_trains_like_fp32(runs, level):
         assert a == pytest.approx(b, rel=0.03)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov"])
 def test_nanogpt_script_ranks_agree_and_resume_exactly(runs, level):
     first, resumed = runs
     for rank in range(2):

@@ -28,10 +28,9 @@ LAYOUTS = [
 ]
 
 
-def _owners(sizes, world, block, monkeypatch):
-    monkeypatch.setattr(shard, "BLOCK", block)
+def _owners(sizes, world, block):
     params = [nn.Parameter(torch.zeros(n)) for n in sizes]
-    groups = [_Group(params, 0, world, r) for r in range(world)]
+    groups = [_Group(params, 0, world, r, block) for r in range(world)]
     owner: list[tuple[int, int] | None] = [None] * groups[0].padded
     for rank, g in enumerate(groups):
         for index, src, count, dst in g.pieces:
@@ -45,10 +44,8 @@ def _owners(sizes, world, block, monkeypatch):
 
 
 @pytest.mark.parametrize(("sizes", "world", "block"), LAYOUTS)
-def test_every_element_has_exactly_one_owner_and_one_place_in_its_shard(
-    sizes, world, block, monkeypatch
-):
-    groups, owner = _owners(sizes, world, block, monkeypatch)
+def test_every_element_has_exactly_one_owner_and_one_place_in_its_shard(sizes, world, block):
+    groups, owner = _owners(sizes, world, block)
     total, size = groups[0].total, groups[0].shard_size
     assert size == -(-total // world)  # the shards of contiguous ZeRO-1, padding included
     assert all(o is not None for o in owner[:total])
@@ -60,10 +57,8 @@ def test_every_element_has_exactly_one_owner_and_one_place_in_its_shard(
 
 
 @pytest.mark.parametrize(("sizes", "world", "block"), LAYOUTS)
-def test_every_stretch_of_world_blocks_is_owned_by_all_ranks_in_equal_parts(
-    sizes, world, block, monkeypatch
-):
-    groups, owner = _owners(sizes, world, block, monkeypatch)
+def test_every_stretch_of_world_blocks_is_owned_by_all_ranks_in_equal_parts(sizes, world, block):
+    groups, owner = _owners(sizes, world, block)
     span = world * block
     full_rounds = groups[0].shard_size // block
     for start in range(0, full_rounds * span - span + 1):
@@ -76,8 +71,8 @@ def test_every_stretch_of_world_blocks_is_owned_by_all_ranks_in_equal_parts(
 
 
 @pytest.mark.parametrize(("sizes", "world", "block"), LAYOUTS)
-def test_the_canonical_pieces_cover_every_shard_once(sizes, world, block, monkeypatch):
-    groups, owner = _owners(sizes, world, block, monkeypatch)
+def test_the_canonical_pieces_cover_every_shard_once(sizes, world, block):
+    groups, owner = _owners(sizes, world, block)
     size, total = groups[0].shard_size, groups[0].total
     for piece_of in range(world):
         covered = []

@@ -178,7 +178,6 @@ def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradB
         plan = _Plan(key=key, pieces=[], param_ids=frozenset())
         state._plans[bucket.index()] = plan
         return plan
-    masters.armed_grad_buffer()  # a group added since registration has its offset now
     # Each gradient's offset in the bucket's flat buffer.
     grads = bucket.gradients()
     base = buffer.data_ptr()

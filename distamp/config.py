@@ -51,7 +51,9 @@ class Properties:
     max_loss_scale: float = 2.0**24
     """Cap of the dynamic loss scale (also caps its initial value 2**16)."""
     shard_master_weights: bool = False
-    """Each rank holds only its shard of the FP32 masters and of the optimizer state."""
+    """Each rank holds only its shard of the FP32 masters and of the optimizer state. With FP32
+    model weights (O0, O1; only when asked for) the shard is of the weights themselves: each rank
+    steps 1/N of them and the updated weights are all-gathered (see [Note: sharded FP32 weights])."""
     max_consecutive_skips: int = 50
     """Consecutive skipped steps after which distamp raises instead of skipping on."""
 
@@ -318,10 +320,12 @@ def resolve_properties(
     if chosen["keep_batchnorm_fp32"] and not model_is_cast:
         chosen["keep_batchnorm_fp32"] = None  # nothing is cast, so nothing to keep FP32
     masters = bool(chosen["master_weights"])
-    if shard_master_weights and not masters:
+    if shard_master_weights and not masters and model_is_cast:
         raise ValueError(
-            f"shard_master_weights=True needs FP32 master weights, which opt_level {level} "
-            f"with master_weights={chosen['master_weights']} does not keep"
+            f"shard_master_weights=True needs FP32 values to shard: FP32 master weights, or "
+            f"FP32 model weights (O0, O1); found opt_level {level} with the model cast to "
+            f"{chosen['cast_model_type']} and master_weights={chosen['master_weights']} (use "
+            "opt_level O2 for FP32 masters)"
         )
     shard = (masters and world_size > 1) if shard_master_weights is None else shard_master_weights
     return Properties(

@@ -22,6 +22,16 @@ benchmarks/sharded_optimizer.py). After the step, the updated shard is cast to t
 one all-gather per block writes every rank's blocks into the model's weights, which are views into
 a flat half buffer, so nothing is copied after the gather; with ``overlap_gather=True`` the next
 forward waits for them module by module (see [Note: the gather overlaps the next forward]).
+
+[Note: sharded FP32 weights] O0 and O1 keep the model's weights FP32, so apex gives them no
+masters. ``shard_master_weights=True`` shards them anyway (ZeRO-1 for FP32 training, off unless
+asked for): the same layout and gradient path, with the FP32 weights themselves in the flat buffer
+(``flat_half`` is FP32 then). Each rank holds the FP32 copy and the optimizer state of its shard
+and steps only that (the optimizer's work and state are 1/N); the updated shard is all-gathered
+straight from the masters, exactly, so every rank holds the same FP32 weights. The gather moves
+FP32 — twice the bytes of a half one — so over a slow link this saves memory and optimizer time,
+not wire time; with a 16-bit reduce-scatter (``hooks.register(..., reduce_scatter=True)``) a step
+moves 1.5x the bytes of a 16-bit all-reduce.
 """
 
 from __future__ import annotations
@@ -177,7 +187,12 @@ class ShardedMasterParams(ModelGrads):
         self,
         replicated: list[nn.Parameter],
         process_group: dist.ProcessGroup | None,
+        *,
+        fp32_weights: bool = False,
     ) -> None:
+        self.fp32_weights = fp32_weights
+        """The model's weights are FP32 and are what is sharded (O0/O1, see [Note: sharded FP32
+        weights]); else they are half and the shards are their FP32 masters (O2)."""
         self.groups: list[_Group] = []
         self.shards: list[torch.Tensor] = []
         """Per group, this rank's flat FP32 masters (the chunks share their storage)."""
@@ -214,14 +229,17 @@ class ShardedMasterParams(ModelGrads):
         optimizer: torch.optim.Optimizer,
         cast_ids: set[int] | frozenset[int],
         process_group: dist.ProcessGroup | None,
+        *,
+        fp32_weights: bool = False,
     ) -> ShardedMasterParams:
         """Replace each group's cast parameters by this rank's flat FP32 shard of them.
 
         Must run before the model is cast, so the masters hold the exact FP32 values. Frozen
         parameters are sharded too (see ``MasterParams.take``); optimizer state that exists
         already (Adagrad creates its sums in its constructor) is cut into the slices.
+        ``fp32_weights``: ``cast_ids`` are FP32 weights that stay FP32 (O0/O1).
         """
-        out = cls([], process_group)
+        out = cls([], process_group, fp32_weights=fp32_weights)
         for param_group in optimizer.param_groups:
             params = list(param_group["params"])
             sharded = [p for p in params if id(p) in cast_ids]
@@ -276,15 +294,19 @@ class ShardedMasterParams(ModelGrads):
                 view.copy_(p.data)
                 p.data = view
         layout.flat_half = flat
-        layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
+        # FP32 weights are gathered straight from the shard; half ones from its cast copy.
+        if dtype != torch.float32:
+            layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]:
         """A param group added after wrap: its half parameters become a new sharded group (FP32
         masters from their half values), the others are stepped whole on every rank."""
-        sharded = [p for p in params if fp32_masters and p.dtype in HALF_DTYPES]
-        kept = [p for p in params if not (fp32_masters and p.dtype in HALF_DTYPES)]
+        shardable = {torch.float32} if self.fp32_weights else HALF_DTYPES
+        fp32_masters = fp32_masters or self.fp32_weights
+        sharded = [p for p in params if fp32_masters and p.dtype in shardable]
+        kept = [p for p in params if not (fp32_masters and p.dtype in shardable)]
         chunks = self._new_group(sharded, [{} for _ in sharded], None)
         self._lay_out(self.groups[-1])
         if self.grad_buffer is not None:  # the reduce-scatter hook writes the new group's too
@@ -381,15 +403,18 @@ class ShardedMasterParams(ModelGrads):
         with torch.no_grad():
             works: list[list[Any]] = []
             for layout, shard in zip(self.groups, self.shards, strict=True):
-                if layout.flat_half is None or layout.send is None:
+                if layout.flat_half is None:
                     works.append([])
                     continue
-                layout.send.copy_(shard)
+                mine = shard
+                if layout.send is not None:
+                    layout.send.copy_(shard)
+                    mine = layout.send
                 if self.process_group is None or self.world == 1:
-                    layout.flat_half.copy_(layout.send)
+                    layout.flat_half[: mine.numel()].copy_(mine)
                     works.append([])
                     continue
-                works.append(self._gather(layout, layout.send, layout.flat_half))
+                works.append(self._gather(layout, mine, layout.flat_half))
         self.pending, self.waited = works, [0] * len(works)
         if not (overlap and self.overlap_gather):
             self.finish_gather()

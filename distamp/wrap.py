@@ -145,9 +145,9 @@ def wrap(
     check_same_on_all_ranks("distamp.wrap", facts, group)
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
-    cast_ids = plan.cast_params if props.master_weights else frozenset()
+    cast_ids = _master_ids(plan, props, opt_list)
     masters: list[MasterWeights] = [
-        ShardedMasterParams.take(opt, cast_ids, group)
+        ShardedMasterParams.take(opt, cast_ids, group, fp32_weights=not props.master_weights)
         if props.shard_master_weights
         else MasterParams.take(opt, cast_ids)
         for opt in opt_list
@@ -161,12 +161,31 @@ def wrap(
         _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names)
     scalers.models = [weakref.ref(m) for m in model_list]
-    _register_state_hooks(model_list, plan, scalers, cast_names)
+    _register_state_hooks(model_list, plan, scalers, cast_names, cast_ids)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     return _same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _master_ids(
+    plan: casting.PrecisionPlan, props: Properties, optimizers: list[torch.optim.Optimizer]
+) -> frozenset[int]:
+    """ids of the parameters whose FP32 values the optimizer steps apart from the model: the
+    cast ones with master weights (O2), every FP32 one when FP32 weights are sharded (O0/O1 with
+    ``shard_master_weights=True``, see [Note: sharded FP32 weights]), else none."""
+    if props.master_weights:
+        return frozenset(plan.cast_params)
+    if props.shard_master_weights:
+        return frozenset(
+            id(p)
+            for opt in optimizers
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.dtype == torch.float32
+        )
+    return frozenset()
 
 
 def _as_optimizer_list(value: Any) -> tuple[list[Any], bool]:
@@ -324,18 +343,16 @@ def _register_state_hooks(
     plan: casting.PrecisionPlan,
     scalers: ScalerGroup,
     cast_names: dict[int, frozenset[str]],
+    master_ids: frozenset[int],
 ) -> None:
-    if plan.half_dtype is None:
-        return
-    load = _LoadIntoMasters(scalers, plan.cast_params) if scalers.props.master_weights else None
-    report = _HalfAsFP32StateDict(cast_names)
+    load = _LoadIntoMasters(scalers, master_ids) if master_ids else None
+    report = _HalfAsFP32StateDict(cast_names) if plan.half_dtype is not None else None
     for model in models:
         for module in model.modules():
-            if id(module) not in cast_names:
-                continue
-            module.register_state_dict_post_hook(report)
+            if report is not None and id(module) in cast_names:
+                module.register_state_dict_post_hook(report)
             own_params = [t for t in module._parameters.values() if t is not None]
-            if load is not None and any(id(t) in plan.cast_params for t in own_params):
+            if load is not None and any(id(t) in master_ids for t in own_params):
                 module.register_load_state_dict_pre_hook(load)
 
 

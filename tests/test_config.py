@@ -109,8 +109,17 @@ def test_sharding_is_on_by_default_with_masters_and_several_ranks():
     assert props("O2", world_size=1).shard_master_weights is False
     assert props("O2", world_size=4, shard_master_weights=False).shard_master_weights is False
     assert props("O3", world_size=2).shard_master_weights is False  # no masters to shard
-    with pytest.raises(ValueError, match="shard_master_weights"):
-        props("O1", shard_master_weights=True)
+    # FP32 weights (O0/O1) are sharded only when asked for: apex's O0/O1 keep no masters.
+    assert props("O0", world_size=2).shard_master_weights is False
+    assert props("O1", world_size=2).shard_master_weights is False
+    for level in ("O0", "O1"):
+        chosen = props(level, world_size=2, shard_master_weights=True)
+        assert chosen.shard_master_weights is True and chosen.master_weights is False
+    # Half weights without FP32 masters have nothing FP32 to shard.
+    with pytest.raises(ValueError, match="shard_master_weights=True needs FP32 values"):
+        props("O3", world_size=2, shard_master_weights=True)
+    with pytest.raises(ValueError, match="master_weights=False"):
+        props("O2", world_size=2, master_weights=False, shard_master_weights=True)
 
 
 def test_properties_are_frozen_plain_data():

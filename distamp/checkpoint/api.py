@@ -460,6 +460,23 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
             )
             if (mine_flat is None) != (theirs_flat is None) and view.st is not None:
                 fsdp_here = type(view.st.masters).__name__ == "FSDPParams"
+                if not fsdp_here and not target.props.get("master_weights"):
+                    # FP32 weights (O0/O1): flat when sharded, per parameter otherwise.
+                    said = (
+                        "flat, from a run wrapped with shard_master_weights=True"
+                        if mine_flat is None
+                        else "per parameter, from a run without shard_master_weights=True or "
+                        "from an FSDP model"
+                    )
+                    raise CheckpointError(
+                        f"optimizers[{o}]: the checkpoint keeps the optimizer state of param "
+                        f"group {g} {said}; this run has "
+                        f"shard_master_weights={target.props.get('shard_master_weights')} at "
+                        f"opt_level {target.props.get('opt_level')}; expected the same: wrap "
+                        "with the checkpoint's shard_master_weights (it loads at any world size), "
+                        "or use `python -m distamp.checkpoint consolidate` to get plain FP32 "
+                        "weights"
+                    )
                 raise CheckpointError(
                     f"optimizers[{o}]: the checkpoint was saved "
                     f"{'with distamp masters (DDP)' if fsdp_here else 'from an FSDP model'} and "

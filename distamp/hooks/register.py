@@ -33,7 +33,8 @@ def register(
     BF16 model's gradients as FP16 (3 more mantissa bits under loss scaling). If the process group
     cannot reduce that dtype, falls back to FP32 with one warning.
 
-    ``reduce_scatter=True`` (sharded masters only: O2 at more than one rank) reduce-scatters each
+    ``reduce_scatter=True`` (sharded masters only: O2 at more than one rank, or O0/O1 wrapped with
+    ``shard_master_weights=True``) reduce-scatters each
     bucket into the ranks' FP32 shard gradients instead of all-reducing it (see [Note:
     reduce-scatter into the shards]): with the all-gather of the updated weights, the bytes of one
     all-reduce per step instead of 1.5. The model's ``.grad`` then keep each rank's own gradients
@@ -89,8 +90,9 @@ def register(
         )
         raise ValueError(
             "distamp.hooks.register(reduce_scatter=True): expected an optimizer whose FP32 masters "
-            f"are sharded over the DDP model's process group (O2 at more than one rank, "
-            f"shard_master_weights left on), found masters {where} (opt_level {props.opt_level})"
+            f"are sharded over the DDP model's process group (O2 at more than one rank with "
+            f"shard_master_weights left on, or O0/O1 wrapped with shard_master_weights=True), "
+            f"found masters {where} (opt_level {props.opt_level})"
         )
     wire = dtype or props.half_dtype
     if not _can_reduce(wire, group):

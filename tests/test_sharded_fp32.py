@@ -1,0 +1,359 @@
+"""ZeRO-1 for FP32 weights: O0/O1 wrapped with ``shard_master_weights=True``.
+
+Each rank holds the FP32 copy and the optimizer state of its shard of the weights and steps only
+that; the updated weights are all-gathered (see [Note: sharded FP32 weights] in distamp/shard.py).
+Held against the unsharded run of the same opt_level (bit for bit: the same element-wise
+arithmetic), against the 16-bit all-reduce hook (bit for bit at 2 ranks), against a global skip
+on an inf on one rank only, and through checkpoints at other world sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+from distamp.checkpoint import CheckpointError, consolidate, consolidate_optimizer_state
+from tests.asserts import assert_same
+from tests.dist_harness import run_ranks
+
+pytestmark = pytest.mark.xdist_group("multirank")
+
+
+class Net(nn.Module):
+    """An embedding tied to the head, LayerNorms, a frozen parameter, a parameter in the
+    optimizer that never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 24)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(24), nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 24))
+            for _ in range(2)
+        )
+        self.frozen = nn.Parameter(torch.randn(24) * 0.1, requires_grad=False)
+        self.head = nn.Linear(24, 40, bias=False)
+        self.head.weight = self.emb.weight  # tied, as in GPT-2
+        self.unused = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.frozen
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05),
+}
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+    return torch.randint(0, 40, (4, 6), generator=g), torch.randint(0, 40, (4, 6), generator=g)
+
+
+def _make(level: str, sharded: bool, opt_name: str = "adamw", half=torch.bfloat16):
+    model = Net()
+    groups = [
+        {"params": [model.emb.weight, model.frozen, *model.blocks[0].parameters()], "lr": 2e-2},
+        {"params": [*model.blocks[1].parameters(), *model.unused.parameters()]},
+    ]
+    opt = OPTIMIZERS[opt_name](groups)
+    kwargs = {"shard_master_weights": True} if sharded else {}
+    return distamp.wrap(model, opt, opt_level=level, half_dtype=half, verbosity=0, **kwargs)
+
+
+def _train(
+    rank: int,
+    world: int,
+    level: str,
+    sharded: bool,
+    *,
+    opt_name: str = "adamw",
+    hook: str = "none",
+    steps: int = 5,
+    half: torch.dtype = torch.bfloat16,
+    inf_at: tuple[int, int] | None = None,
+    torch_clip: bool = False,
+) -> dict:
+    """``hook``: "none" (DDP's FP32 all-reduce), "ar" (distamp's 16-bit all-reduce hook), "rs"
+    (reduce-scatter into the shards, the gather overlapped with the next forward)."""
+    model, opt = _make(level, sharded, opt_name, half)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    state = None
+    if hook == "ar":
+        state = distamp.hooks.register(ddp, opt)
+    elif hook == "rs":
+        state = distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    history, losses = [], []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        losses.append(loss.item())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if inf_at == (step, rank):
+            model.blocks[1][1].weight.grad[0, 0] = float("inf")
+        if torch_clip:
+            distamp.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    s = distamp.stats(opt)
+    return {
+        "history": history,
+        "losses": losses,
+        "dtypes": {str(p.dtype) for p in model.parameters()},
+        "skipped": s.skipped_steps,
+        "scale": s.loss_scales[0],
+        "master_bytes": s.master_bytes,
+        "state_bytes": s.optimizer_state_bytes,
+        "bytes": getattr(state, "bytes_on_wire", 0),
+    }
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# Parameters in the optimizer, by group (the tied head is the embedding): every one is FP32, so
+# every one is sharded, LayerNorms included.
+BLOCK_ELEMENTS = (24 + 24) + (24 * 48 + 48) + (48 * 24 + 24)  # LayerNorm, two Linears
+GROUP_ELEMENTS = (40 * 24 + 24 + BLOCK_ELEMENTS, BLOCK_ELEMENTS + 24 * 24 + 24)
+
+
+def _sharded_and_not(rank: int, world: int, level: str) -> dict:
+    return {
+        (name, sharded): _train(rank, world, level, sharded, opt_name=name)
+        for name in OPTIMIZERS
+        for sharded in (True, False)
+    }
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+@pytest.mark.parametrize(
+    "world,shard_block",
+    [(1, None), (2, None), (3, None), (3, 4)],
+    indirect=["shard_block"],
+    ids=["world1", "world2", "world3", "world3-blocks-4"],
+)
+def test_sharded_fp32_weights_train_bit_for_bit_like_unsharded(level, world, shard_block):
+    """The same element-wise arithmetic on slices of the weights: identical weights after every
+    step, on every rank, for SGD with momentum, AdamW and Adagrad; the weights stay FP32; each rank
+    holds 1/N of the FP32 copies and of the optimizer state."""
+    out = run_ranks(_sharded_and_not, world, level)
+    for name in OPTIMIZERS:
+        for rank, result in enumerate(out):
+            sharded, plain = result[(name, True)], result[(name, False)]
+            assert sharded["dtypes"] == {"torch.float32"}
+            for step, (a, b) in enumerate(zip(sharded["history"], plain["history"], strict=True)):
+                assert _max_diff(a, b) == 0.0, (name, rank, step)
+            assert _max_diff(sharded["history"][-1], out[0][(name, True)]["history"][-1]) == 0.0
+            # The weights moved (a no-op step would also be "equal").
+            first = sharded["history"][0]["blocks.0.1.weight"]
+            assert (sharded["history"][-1]["blocks.0.1.weight"] - first).abs().max() > 1e-3
+            # Memory: this rank's FP32 copies are its shard, ceil(total / N) per group.
+            assert sharded["master_bytes"] == 4 * sum(-(-n // world) for n in GROUP_ELEMENTS)
+            assert plain["master_bytes"] == 0  # unsharded O0/O1: the weights are their own
+        if world > 1 and name != "sgd" and shard_block is None:
+            # Element-wise state (Adam's two moments, Adagrad's sum) is split between the ranks
+            # (with blocks of 4 elements every slice also carries its own 4-byte step count).
+            total = sum(r[(name, True)]["state_bytes"] for r in out)
+            assert total < 1.1 * out[0][(name, False)]["state_bytes"], name
+            assert max(r[(name, True)]["state_bytes"] for r in out) < (
+                1.2 * out[0][(name, False)]["state_bytes"] / world
+            ), name
+    frozen = out[0][("adamw", True)]["history"][-1]["frozen"]
+    assert torch.equal(frozen, Net().frozen)  # in the optimizer, never stepped
+
+
+def _rs_and_ar(rank: int, world: int, level: str, opt_name: str, torch_clip: bool) -> dict:
+    kw = {"opt_name": opt_name, "torch_clip": torch_clip}
+    return {
+        "rs": _train(rank, world, level, True, hook="rs", **kw),
+        "ar": _train(rank, world, level, False, hook="ar", **kw),
+    }
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_with_overlapped_gather_equals_the_16bit_all_reduce_hook(level, world):
+    """Gradients reduce-scattered in bf16 into the shards, FP32 weights gathered while the next
+    forward runs, against distamp's bf16 all-reduce hook on unsharded weights: bit for bit at 2
+    ranks (the sum of two addends is rounded once either way; torch's clipping after unscale_
+    included); at 3 ranks the bf16 sums are rounded in another order: within 2e-3 after 5 SGD
+    steps (a wrong reduction moves weights by ~1e-2 per step)."""
+    opt_name = "adamw" if world == 2 else "sgd"
+    out = run_ranks(_rs_and_ar, world, level, opt_name, world == 2)
+    for r in out:
+        assert _max_diff(r["rs"]["history"][-1], out[0]["rs"]["history"][-1]) == 0.0
+    rs, ar = out[0]["rs"], out[0]["ar"]
+    diff = _max_diff(rs["history"][-1], ar["history"][-1])
+    if world == 2:
+        assert rs["losses"] == ar["losses"]
+        assert diff == 0.0
+    else:
+        assert diff <= 2e-3
+    # The gradients went out in bf16, reduce-scattered: no more bytes than the 16-bit all-reduce.
+    assert 0 < rs["bytes"] <= ar["bytes"]
+
+
+def _inf(rank: int, world: int) -> dict:
+    kw = {"half": torch.float16, "steps": 4}
+    return {
+        "rs": _train(rank, world, "O1", True, hook="rs", inf_at=(2, 1), **kw),
+        "ar": _train(rank, world, "O1", False, hook="ar", inf_at=(2, 1), **kw),
+        "clean": _train(rank, world, "O1", True, hook="rs", **kw),
+    }
+
+
+def test_an_inf_on_one_rank_only_skips_every_rank():
+    """O1 with fp16 (dynamic loss scale): an inf written into rank 1's gradient of a weight rank
+    0 owns part of skips the step on both ranks and halves the scale, as unsharded. (This model's
+    fp16 gradients also overflow by themselves at the first scale: the run without the inf is the
+    baseline.)"""
+    out = run_ranks(_inf, 2)
+    for r in out:
+        assert r["rs"]["skipped"] == r["ar"]["skipped"] == r["clean"]["skipped"] + 1
+        assert r["rs"]["scale"] == r["ar"]["scale"] == r["clean"]["scale"] / 2
+        assert _max_diff(r["rs"]["history"][2], r["rs"]["history"][1]) == 0.0  # skipped: unchanged
+        assert _max_diff(r["clean"]["history"][2], r["clean"]["history"][1]) > 0.0
+        assert _max_diff(r["rs"]["history"][-1], r["ar"]["history"][-1]) == 0.0
+    assert _max_diff(out[1]["rs"]["history"][-1], out[0]["rs"]["history"][-1]) == 0.0
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def _run(rank: int, world: int, first: int, last: int, load: str, save: str) -> dict:
+    """Steps [first, last) of O0 with sharded weights, reduce-scatter and overlapped gather."""
+    model, opt = _make("O0", True)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    if world > 1:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    if load:
+        distamp.load_checkpoint(load, model, opt)
+    for step in range(first, last):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    if save:
+        distamp.save_checkpoint(save, model, opt, extra={"step": last})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_in_new_processes_is_bit_exact(tmp_path):
+    half = str(tmp_path / "half")
+    straight = run_ranks(_run, 2, 0, 4, "", "")
+    run_ranks(_run, 2, 0, 2, "", half)
+    resumed = run_ranks(_run, 2, 2, 4, half, "")  # new processes
+    for rank in range(2):
+        assert _max_diff(resumed[rank], straight[rank]) == 0.0
+
+
+def test_a_checkpoint_loads_at_other_world_sizes(tmp_path):
+    """Saved by 2 ranks, loaded by 1 and by 3 and saved again: the same FP32 weights and
+    optimizer state (the canonical layout does not depend on the world size)."""
+    saved = str(tmp_path / "w2")
+    run_ranks(_run, 2, 0, 3, "", saved)
+    weights, state = consolidate(saved), consolidate_optimizer_state(saved)
+    assert state["blocks.0.1.weight"]["step"] == 3
+    for world in (1, 3):
+        again = str(tmp_path / f"w2-at{world}")
+        run_ranks(_run, world, 3, 3, saved, again)
+        assert_same(consolidate(again), weights, f"weights at world {world}")
+        assert_same(consolidate_optimizer_state(again), state, f"state at world {world}")
+
+
+def _load_unsharded(rank: int, world: int, directory: str) -> str:
+    model, opt = _make("O0", False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        distamp.load_checkpoint(directory, model, opt)
+    except CheckpointError as exc:
+        assert _max_diff(model.state_dict(), before) == 0.0  # nothing was changed
+        return str(exc)
+    return "loaded"
+
+
+def test_loading_into_unsharded_fp32_weights_is_refused_clearly(tmp_path):
+    saved = str(tmp_path / "w2")
+    run_ranks(_run, 2, 0, 2, "", saved)
+    for message in run_ranks(_load_unsharded, 2, saved):
+        assert "shard_master_weights=True" in message and "shard_master_weights=False" in message
+        assert "param group 0" in message and "consolidate" in message
+
+
+# -- what users do to the weights and the optimizer -------------------------------------------
+
+
+def _user_habits(rank: int, world: int, sharded: bool) -> dict:
+    """``model.load_state_dict`` after wrap reaches the sharded FP32 copies, and a param group
+    added with ``add_param_group`` is sharded and trained."""
+    model = Net()
+    later = list(model.blocks[1].parameters())
+    first = [p for p in model.parameters() if all(p is not q for q in later)]
+    opt = torch.optim.SGD(first, lr=0.1, momentum=0.9)
+    kw = {"shard_master_weights": True} if sharded else {}
+    model, opt = distamp.wrap(model, opt, opt_level="O0", verbosity=0, **kw)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    if sharded:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    else:
+        distamp.hooks.register(ddp, opt, dtype=torch.bfloat16)
+    torch.manual_seed(7)
+    loaded = {k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()}
+    loaded["head.weight"] = loaded["emb.weight"]  # tied: one tensor under two names
+    model.load_state_dict(loaded)
+
+    def step(n: int) -> None:
+        x, y = _batch(rank, n)
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    step(0)  # lr 0: the step writes the sharded copies back; they must be the loaded values
+    after_load = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for group in opt.param_groups:
+        group["lr"] = 0.1
+    opt.add_param_group({"params": later, "lr": 0.05})
+    before = model.blocks[1][1].weight.detach().clone()
+    for n in range(1, 4):
+        step(n)
+    return {
+        "after_load": after_load,
+        "loaded": loaded,
+        "final": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "moved": (model.blocks[1][1].weight - before).abs().max().item(),
+        "groups": len(getattr(opt._distamp.masters, "groups", [])),
+    }
+
+
+def _habits_both(rank: int, world: int) -> dict:
+    return {sharded: _user_habits(rank, world, sharded) for sharded in (True, False)}
+
+
+def test_load_state_dict_reaches_the_shards_and_an_added_group_is_sharded():
+    out = run_ranks(_habits_both, 2)
+    for r in out:
+        sharded, plain = r[True], r[False]
+        assert _max_diff(sharded["after_load"], sharded["loaded"]) == 0.0
+        assert sharded["groups"] == 2  # the added group was laid out as a second sharded group
+        assert sharded["moved"] > 1e-4  # and it trains ...
+        # ... exactly as unsharded O0 with the bf16 all-reduce hook (2 ranks: bit for bit).
+        assert _max_diff(sharded["final"], plain["final"]) == 0.0
+        assert _max_diff(sharded["final"], out[0][True]["final"]) == 0.0

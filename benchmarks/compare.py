@@ -83,6 +83,8 @@ FP32_CONFIGS = [
     "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)",
     "DeepSpeed ZeRO-1 bf16 communication",
     "distamp O0 + hook",
+    "distamp O0 sharded + reduce-scatter hook + overlapped gather",
+    "distamp O0 sharded + reduce-scatter hook + overlapped bf16-update gather",
     "floor: FP32, no communication",
 ]
 """Where only FP32 compute is fast: mixed precision can still shrink the wire and the state."""
@@ -216,7 +218,9 @@ def setup(
     if config.startswith("distamp"):
         level = config.split()[1]  # "distamp O2 sharded + reduce-scatter hook" -> "O2"
         opt = adamw(model.parameters())
-        kwargs = {"shard_master_weights": "sharded" in config} if level == "O2" else {}
+        # O2 shards by default across ranks; O0/O1 shard their FP32 weights when asked for.
+        sharded = "sharded" in config
+        kwargs = {"shard_master_weights": sharded} if level == "O2" or sharded else {}
         model, opt = distamp.wrap(
             model, opt, opt_level=level, half_dtype=dtype, verbosity=0, **kwargs
         )
@@ -225,7 +229,8 @@ def setup(
             ddp,
             opt,
             reduce_scatter="reduce-scatter" in config,
-            overlap_gather="overlapped gather" in config,
+            overlap_gather="overlapped" in config,
+            gather_dtype=dtype if "bf16-update gather" in config else None,
         )
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("floor"):

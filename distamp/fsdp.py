@@ -126,7 +126,7 @@ class FSDPParams(ModelGrads):
             if isinstance(placement, Shard)
         ]
 
-    def copy_to_model(self, *, overlap: bool = False) -> None:
+    def copy_to_model(self, *, after_step: bool = False) -> None:
         """The optimizer stepped FSDP's own parameters: nothing to copy."""
 
     def release_master_grads(self) -> None:

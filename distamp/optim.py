@@ -45,7 +45,7 @@ class MasterWeights(Protocol):
     def check(self) -> torch.Tensor: ...
     def step_grads(self) -> list[torch.Tensor]: ...
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor: ...
-    def copy_to_model(self, *, overlap: bool = False) -> None: ...
+    def copy_to_model(self, *, after_step: bool = False) -> None: ...
     def release_master_grads(self) -> None: ...
     def zero_model_grads(self, set_to_none: bool) -> None: ...
     def rescale_grads_(self, factor: float) -> None: ...
@@ -283,7 +283,7 @@ class MasterParams(ModelGrads):
             out.append(master)
         return out
 
-    def copy_to_model(self, *, overlap: bool = False) -> None:
+    def copy_to_model(self, *, after_step: bool = False) -> None:
         """Refresh the half model weights from the masters after a step."""
         pairs = [(p, m) for p, m, s in zip(*self.columns(), strict=True) if s]
         if pairs:
@@ -396,7 +396,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.group.after_skip(st)
             else:
                 super().step()
-                st.masters.copy_to_model(overlap=True)
+                st.masters.copy_to_model(after_step=True)
         finally:
             st.reset()
         return None

@@ -32,6 +32,17 @@ straight from the masters, exactly, so every rank holds the same FP32 weights. T
 FP32 — twice the bytes of a half one — so over a slow link this saves memory and optimizer time,
 not wire time; with a 16-bit reduce-scatter (``hooks.register(..., reduce_scatter=True)``) a step
 moves 1.5x the bytes of a 16-bit all-reduce.
+
+[Note: 16-bit updates of FP32 weights] ``hooks.register(..., gather_dtype=torch.bfloat16)`` makes
+that gather 16-bit while every rank keeps identical FP32 weights: after the step the owner of each
+element sends its update, new - old (exact in FP32: the two are close), rounded once to bf16, and
+every rank, the owner included, adds that same rounded update to its FP32 weight; the owner then
+takes the result as its FP32 copy, so copy and weight never part. A step moves the bytes of one
+16-bit all-reduce, as under O2. What it costs: each step's update is rounded to bf16 (a relative
+error of at most 2**-9 of the update, the rounding a bf16 gradient wire already puts on the
+gradient, and unbiased), never the weight itself; the optimizer state is untouched. bf16, not
+fp16: bf16 keeps 8 mantissa bits down to 1e-38, where fp16 loses them below 6e-5 (small updates).
+Loaded values (checkpoints, ``load_state_dict``) are always gathered exactly.
 """
 
 from __future__ import annotations
@@ -133,6 +144,11 @@ class _Group:
         """(param index, first, last + 1 element in the shard) of each slice, in shard order."""
         self.flat_half: torch.Tensor | None = None
         self.send: torch.Tensor | None = None
+        self.updates: torch.Tensor | None = None
+        """With 16-bit updates of FP32 weights: every rank's updates of the last step, laid out
+        like ``flat_half``."""
+        self.update_send: torch.Tensor | None = None
+        """This rank's updates of the last step, laid out like its shard."""
 
     def flat_start(self, rank: int, block: int) -> int:
         """First element in the flat buffer of block ``block`` of ``rank``'s shard."""
@@ -216,6 +232,11 @@ class ShardedMasterParams(ModelGrads):
         self.overlap_gather = False
         """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
         the next forward]."""
+        self.update_dtype: torch.dtype | None = None
+        """Set by ``hooks.register(..., gather_dtype=torch.bfloat16)`` with FP32 weights: see
+        [Note: 16-bit updates of FP32 weights]."""
+        self.pending_updates = False
+        """The gathers in flight carry updates (added to the weights as each round arrives)."""
         self.watched_groups = 0
         """Groups whose modules wait in forward (a group added later is gathered at once)."""
         self.pending: list[list[Any]] = []
@@ -391,20 +412,26 @@ class ShardedMasterParams(ModelGrads):
         scale_to_max_norm_(shard_grads + replicated, total, max_norm)
         return total
 
-    def copy_to_model(self, *, overlap: bool = False) -> None:
+    def copy_to_model(self, *, after_step: bool = False) -> None:
         """Collective: cast this rank's updated shard down and all-gather every group's shards.
 
         One all-gather per block (see [Note: block-cyclic shards]), all in flight together (gloo
-        gathers 32 MB at 1 Gbit/s in 0.14 s as 8 pieces, in 0.19 s as one collective). With
-        ``overlap`` (the step's call) and ``overlap_gather`` set, returns without waiting: see
-        [Note: the gather overlaps the next forward].
+        gathers 32 MB at 1 Gbit/s in 0.14 s as 8 pieces, in 0.19 s as one collective). The step's
+        own call (``after_step``) returns without waiting when ``overlap_gather`` is set (see
+        [Note: the gather overlaps the next forward]) and sends 16-bit updates when
+        ``update_dtype`` is (see [Note: 16-bit updates of FP32 weights]); any other call (a
+        loaded state) gathers the exact values.
         """
         self.finish_gather()
+        updates = after_step and self.update_dtype is not None and self.world > 1
         with torch.no_grad():
             works: list[list[Any]] = []
             for layout, shard in zip(self.groups, self.shards, strict=True):
                 if layout.flat_half is None:
                     works.append([])
+                    continue
+                if updates:
+                    works.append(self._gather_updates(layout, shard))
                     continue
                 mine = shard
                 if layout.send is not None:
@@ -416,7 +443,8 @@ class ShardedMasterParams(ModelGrads):
                     continue
                 works.append(self._gather(layout, mine, layout.flat_half))
         self.pending, self.waited = works, [0] * len(works)
-        if not (overlap and self.overlap_gather):
+        self.pending_updates = updates
+        if not (after_step and self.overlap_gather):
             self.finish_gather()
             return
         for g in range(self.watched_groups, len(works)):  # no forward hook waits for these
@@ -435,7 +463,52 @@ class ShardedMasterParams(ModelGrads):
         works = self.pending[g]
         for j in range(self.waited[g], min(rounds, len(works))):
             works[j].wait()
+            if self.pending_updates:
+                self._apply_updates(g, j)
             self.waited[g] = j + 1
+
+    def _gather_updates(self, layout: _Group, shard: torch.Tensor) -> list[Any]:
+        """Collective: start all-gathering this step's updates of ``layout``'s FP32 weights in
+        ``update_dtype``, one round at a time (see [Note: 16-bit updates of FP32 weights])."""
+        assert self.update_dtype is not None and layout.flat_half is not None
+        if layout.updates is None or layout.updates.dtype != self.update_dtype:
+            layout.updates = torch.empty(
+                layout.padded, dtype=self.update_dtype, device=layout.flat_half.device
+            )
+            layout.update_send = torch.empty(
+                layout.shard_size, dtype=self.update_dtype, device=layout.flat_half.device
+            )
+        send = layout.update_send
+        assert send is not None
+        works = []
+        for j, (pos, length) in enumerate(layout.rounds):
+            mine = layout.flat_start(self.rank, j)
+            # new - old, exact in FP32 (the two are close), then rounded once to update_dtype
+            send[pos : pos + length].copy_(
+                shard[pos : pos + length] - layout.flat_half[mine : mine + length]
+            )
+            start = layout.flat_start(0, j)
+            works.append(
+                dist.all_gather_single(
+                    layout.updates[start : start + length * self.world],
+                    send[pos : pos + length],
+                    group=self.process_group,
+                    async_op=True,
+                )
+            )
+        return works
+
+    def _apply_updates(self, g: int, j: int) -> None:
+        """Round ``j`` of group ``g``'s updates has arrived: every rank adds the same rounded
+        updates to its FP32 weights, and the owner takes the result as its FP32 copy."""
+        layout, shard = self.groups[g], self.shards[g]
+        assert layout.flat_half is not None and layout.updates is not None
+        pos, length = layout.rounds[j]
+        start, end = layout.flat_start(0, j), layout.flat_start(0, j) + length * self.world
+        mine = layout.flat_start(self.rank, j)
+        with torch.no_grad():
+            layout.flat_half[start:end].add_(layout.updates[start:end])
+            shard[pos : pos + length].copy_(layout.flat_half[mine : mine + length])
 
     def wait_in_forward(self, module: nn.Module) -> list[Any]:
         """See [Note: the gather overlaps the next forward]: forward pre-hooks on every submodule

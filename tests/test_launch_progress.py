@@ -183,12 +183,14 @@ def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_fi
     import torch
     from train_gpt import cpu_has_bf16, pick_opt_level
 
-    level, why = pick_opt_level("auto", torch.device("cpu"), "auto")
+    level, why = pick_opt_level("auto", torch.device("cpu"), "auto", 2)
     if cpu_has_bf16():
         assert level == "O2" and "bf16 units" in why and "reduce-scattered" in why
     else:
-        # FP32 compute, but a 16-bit wire: not the plain FP32 baseline.
-        assert level == "O0" and "no bf16 units" in why and "all-reduced in bf16" in why
+        # FP32 compute, but a 16-bit wire and sharded state: not the plain FP32 baseline (what
+        # it runs is held by test_shard_weights_flag_trains_like_fp32_and_resumes_bit_exact).
+        assert level == "O0" and "no bf16 units" in why and "sharded" in why
+        assert "reduce-scattered in bf16" in why and "updates gathered in bf16" in why
     assert pick_opt_level("O1", torch.device("cpu"), "auto") == ("O1", "")
     cmd = [*torchrun(2), str(SCRIPT), *TINY[:-2], "--opt-level", "auto", "--steps", "2"]
     cmd += ["--run-dir", str(tmp_path / "run")]
@@ -213,3 +215,26 @@ def test_reduce_scatter_flag_trains_bit_for_bit_like_the_all_reduce_hook_and_res
     out = run([*torchrun(2), *o2, *resume, "--run-dir", str(resumed)], tmp_path)
     assert "(step 3)" in out
     assert [r["loss"] for r in rows(resumed) if r["step"] > 3] == losses["rs"][3:]
+
+
+def test_shard_weights_flag_trains_like_fp32_and_resumes_bit_exact(tmp_path):
+    """``--opt-level O0 --shard-weights``, what ``auto`` runs across ranks on a CPU without bf16
+    units: FP32 weights and AdamW state sharded, gradients reduce-scattered in bf16, updates
+    gathered in bf16. It trains like the FP32 baseline (explicit O0: FP32 on the wire) and a
+    checkpoint of it resumes bit for bit."""
+    o0 = [str(SCRIPT), *TINY, "--bucket-mb", "0.05", "--steps", "6"]
+    losses = {}
+    for name, flags in (("fp32", []), ("zero", ["--shard-weights"])):
+        run_dir = tmp_path / name
+        ckpt = ["--ckpt-dir", str(tmp_path / f"ckpt-{name}"), "--save-every", "3"]
+        run([*torchrun(2), *o0, *flags, *ckpt, "--run-dir", str(run_dir)], tmp_path)
+        losses[name] = [r["loss"] for r in rows(run_dir)]
+    assert len(losses["zero"]) == 6 and losses["zero"][-1] < losses["zero"][0]
+    # Stated tolerance: bf16 gradients and bf16 updates move a loss by < 1% over 6 steps.
+    for a, b in zip(losses["zero"], losses["fp32"], strict=True):
+        assert a == pytest.approx(b, rel=1e-2)
+    resumed = tmp_path / "zero-resumed"
+    resume = ["--resume", str(tmp_path / "ckpt-zero" / "step_000003"), "--shard-weights"]
+    out = run([*torchrun(2), *o0, *resume, "--run-dir", str(resumed)], tmp_path)
+    assert "(step 3)" in out
+    assert [r["loss"] for r in rows(resumed) if r["step"] > 3] == losses["zero"][3:]

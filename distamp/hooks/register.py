@@ -25,6 +25,7 @@ def register(
     process_group: dist.ProcessGroup | None = None,
     reduce_scatter: bool = False,
     overlap_gather: bool = False,
+    gather_dtype: torch.dtype | None = None,
 ) -> CompressState | None:
     """Register distamp's compression hook on ``ddp_model`` for ``optimizer``'s opt_level.
 
@@ -45,6 +46,12 @@ def register(
     weights are all-gathered: the next forward waits for each module's weights as it reaches it
     (see [Note: the gather overlaps the next forward]). Reading the weights outside forward,
     ``state_dict()`` and distamp's checkpoints needs ``state.finish_gather()`` first.
+
+    ``gather_dtype=torch.bfloat16`` (FP32 weights sharded: O0/O1 wrapped with
+    ``shard_master_weights=True``) all-gathers each step's weight updates rounded to bf16 instead
+    of the FP32 weights: half the bytes of the gather, the FP32 weights still identical on every
+    rank, each update rounded to bf16 as a bf16 gradient wire rounds the gradient (see [Note:
+    16-bit updates of FP32 weights]). None (the default): the exact FP32 weights.
 
     A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
     buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
@@ -94,6 +101,8 @@ def register(
             f"shard_master_weights left on, or O0/O1 wrapped with shard_master_weights=True), "
             f"found masters {where} (opt_level {props.opt_level})"
         )
+    if gather_dtype is not None:
+        _check_gather_dtype(gather_dtype, masters, props.opt_level)
     wire = dtype or props.half_dtype
     if not _can_reduce(wire, group):
         warnings.warn(
@@ -102,6 +111,9 @@ def register(
             stacklevel=2,
         )
         wire = torch.float32
+    if gather_dtype is not None:
+        assert isinstance(masters, ShardedMasterParams)
+        masters.update_dtype = None if gather_dtype == torch.float32 else gather_dtype
     if reduce_scatter:
         assert isinstance(masters, ShardedMasterParams)
         # See [Note: reduce-scatter into the shards].
@@ -116,6 +128,27 @@ def register(
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
     ddp_model.register_comm_hook(state, hook)
     return state
+
+
+def _check_gather_dtype(dtype: torch.dtype, masters: object, opt_level: str) -> None:
+    """``gather_dtype`` is for sharded FP32 weights, and bf16 (or float32: exact) only."""
+    sharded = isinstance(masters, ShardedMasterParams)
+    if not (isinstance(masters, ShardedMasterParams) and masters.fp32_weights):
+        found = (
+            "FP32 masters of half weights (gathered in the half dtype already)"
+            if sharded
+            else "weights that are not sharded"
+        )
+        raise ValueError(
+            "distamp.hooks.register(gather_dtype=...): expected sharded FP32 weights (O0/O1 "
+            f"wrapped with shard_master_weights=True), found opt_level {opt_level} with {found}"
+        )
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            "distamp.hooks.register: gather_dtype must be torch.bfloat16 (16-bit updates) or "
+            f"torch.float32 (exact weights), got {dtype!r}: an fp16 update of a weight would "
+            "lose its small values (below 6e-5 fp16 has fewer mantissa bits)"
+        )
 
 
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:

@@ -290,7 +290,7 @@ class ShardedMasterParams(ModelGrads):
         chunks = [shard[a:b].detach().requires_grad_(True) for _, a, b in layout.spans]
         for (index, a, b), chunk in zip(layout.spans, chunks, strict=True):
             if optimizer is not None and states[index]:
-                optimizer.state[chunk] = _slice_state(
+                optimizer.state[chunk] = slice_state(
                     states[index], sharded[index], layout.param_offset(index, a), b - a, g
                 )
         self.groups.append(layout)
@@ -737,7 +737,7 @@ class _FinishGather:
         self.masters.finish_gather()
 
 
-def _slice_state(
+def slice_state(
     state: dict[str, Any], param: nn.Parameter, start: int, count: int, group: int
 ) -> dict[str, Any]:
     """The part of one parameter's optimizer state that belongs to a slice of it.

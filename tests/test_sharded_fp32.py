@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
-from distamp.checkpoint import CheckpointError, consolidate, consolidate_optimizer_state
+from distamp.checkpoint import consolidate, consolidate_optimizer_state
 from tests.asserts import assert_same
 from tests.dist_harness import run_ranks
 
@@ -286,23 +286,50 @@ def test_a_checkpoint_loads_at_other_world_sizes(tmp_path):
         assert_same(consolidate_optimizer_state(again), state, f"state at world {world}")
 
 
-def _load_unsharded(rank: int, world: int, directory: str) -> str:
-    model, opt = _make("O0", False)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        distamp.load_checkpoint(directory, model, opt)
-    except CheckpointError as exc:
-        assert _max_diff(model.state_dict(), before) == 0.0  # nothing was changed
-        return str(exc)
-    return "loaded"
+def _without_copies(state: dict) -> dict:
+    return {name: {k: v for k, v in per.items() if k != "master"} for name, per in state.items()}
 
 
-def test_loading_into_unsharded_fp32_weights_is_refused_clearly(tmp_path):
-    saved = str(tmp_path / "w2")
-    run_ranks(_run, 2, 0, 2, "", saved)
-    for message in run_ranks(_load_unsharded, 2, saved):
-        assert "shard_master_weights=True" in message and "shard_master_weights=False" in message
-        assert "param group 0" in message and "consolidate" in message
+def _plain_run(
+    rank: int, world: int, sharded: bool, first: int, last: int, load: str, save: str
+) -> dict:
+    """Steps [first, last) of O0, sharded or not, on DDP's FP32 all-reduce (no hook): the two
+    train bit for bit alike."""
+    model, opt = _make("O0", sharded)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True) if world > 1 else model
+    if load:
+        distamp.load_checkpoint(load, model, opt)
+    for step in range(first, last):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    if save:
+        distamp.save_checkpoint(save, model, opt, extra={"step": last})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("saved_sharded", [True, False], ids=["sharded->plain", "plain->sharded"])
+def test_sharded_and_unsharded_fp32_weights_load_each_others_checkpoints(tmp_path, saved_sharded):
+    """[Note: sharded and unsharded FP32 weights load each other]: a checkpoint of O0 with sharded
+    weights resumes unsharded (at 2 ranks and at 1), and back at 3 ranks; the state comes through
+    unchanged, and training goes on bit for bit as if nothing had been switched (2 ranks)."""
+    saved = str(tmp_path / "saved")
+    straight = run_ranks(_plain_run, 2, saved_sharded, 0, 5, "", "")
+    run_ranks(_plain_run, 2, saved_sharded, 0, 3, "", saved)
+    weights, state = consolidate(saved), consolidate_optimizer_state(saved)
+    other = not saved_sharded
+    resumed = run_ranks(_plain_run, 2, other, 3, 5, saved, "")
+    for rank in range(2):
+        assert _max_diff(resumed[rank], straight[rank]) == 0.0
+    for world in (1, 3):
+        again = str(tmp_path / f"at{world}")
+        run_ranks(_plain_run, world, other, 3, 3, saved, again)
+        assert_same(consolidate(again), weights, f"weights at world {world}")
+        # (A sharded checkpoint also lists each parameter's FP32 copy, which is its weight.)
+        assert_same(_without_copies(consolidate_optimizer_state(again)), _without_copies(state))
 
 
 # -- what users do to the weights and the optimizer -------------------------------------------

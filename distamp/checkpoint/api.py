@@ -20,11 +20,12 @@ from torch import nn
 
 from ..config import disabled_properties
 from ..optim import OptState, inner_optimizer
-from ..shard import ShardedMasterParams
+from ..shard import ShardedMasterParams, slice_state
 from . import files
 from .files import CheckpointError, agree
 from .state import (
     FlatGroup,
+    GroupView,
     OptimizerView,
     canonical_piece,
     check_plain,
@@ -458,25 +459,18 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
             theirs_flat = (
                 None if saved_flat is None else (saved_flat["names"], saved_flat["shapes"])
             )
+            if _converted(saved_group, gv, view) is not None:
+                # FP32 weights, sharded on one side only: same parameters, other form.
+                theirs_names = (saved_flat["names"] if saved_flat else []) + saved_group["kept"]
+                mine_names = (gv.flat.names if gv.flat else []) + [n for n, _ in gv.kept]
+                if sorted(theirs_names) != sorted(mine_names):
+                    raise CheckpointError(
+                        f"optimizers[{o}].param_groups[{g}] holds other parameters than in the "
+                        "checkpoint; expected the same parameters in the same order"
+                    )
+                continue
             if (mine_flat is None) != (theirs_flat is None) and view.st is not None:
                 fsdp_here = type(view.st.masters).__name__ == "FSDPParams"
-                if not fsdp_here and not target.props.get("master_weights"):
-                    # FP32 weights (O0/O1): flat when sharded, per parameter otherwise.
-                    said = (
-                        "flat, from a run wrapped with shard_master_weights=True"
-                        if mine_flat is None
-                        else "per parameter, from a run without shard_master_weights=True or "
-                        "from an FSDP model"
-                    )
-                    raise CheckpointError(
-                        f"optimizers[{o}]: the checkpoint keeps the optimizer state of param "
-                        f"group {g} {said}; this run has "
-                        f"shard_master_weights={target.props.get('shard_master_weights')} at "
-                        f"opt_level {target.props.get('opt_level')}; expected the same: wrap "
-                        "with the checkpoint's shard_master_weights (it loads at any world size), "
-                        "or use `python -m distamp.checkpoint consolidate` to get plain FP32 "
-                        "weights"
-                    )
                 raise CheckpointError(
                     f"optimizers[{o}]: the checkpoint was saved "
                     f"{'with distamp masters (DDP)' if fsdp_here else 'from an FSDP model'} and "
@@ -495,6 +489,27 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         raise CheckpointError(
             f"expected {len(manifest['scalers'])} loss scaler(s) (num_losses) as saved"
         )
+
+
+def _converted(saved_group: dict[str, Any], gv: GroupView, view: OptimizerView) -> str | None:
+    """How a param group of FP32 weights is converted on load, or None when it is not.
+
+    [Note: sharded and unsharded FP32 weights load each other] O0/O1 keep optimizer state per
+    parameter (``optim.{o}.p.{name}.{k}``), or flat (``optim.{o}.g{g}.state.{k}``) when wrapped
+    with ``shard_master_weights=True``. Either loads into the other, at any world size: "unflatten"
+    reads the flat tensors whole and cuts each parameter's state out of them, "flatten" reads each
+    parameter's state whole and cuts this rank's slices of it. The FP32 copies come with the
+    model's weights (they are the same values).
+    """
+    st = view.st
+    if st is None or st.group.props.master_weights or type(st.masters).__name__ == "FSDPParams":
+        return None
+    saved_flat = saved_group["flat"]
+    if saved_flat is not None and gv.flat is None:
+        return "unflatten"
+    if saved_flat is None and gv.flat is not None and gv.flat.sharded is not None:
+        return "flatten"
+    return None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -523,7 +538,19 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
         o = view.index
         for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
             flat = gv.flat
-            if flat is not None:
+            how = _converted(saved_group, gv, view)
+            if how == "unflatten":  # each rank reads the flat state whole
+                for k, d in saved_group["flat"]["tensor_keys"].items():
+                    total = saved_group["flat"]["total"]
+                    dest[f"optim.{o}.g{g}.state.{k}"] = torch.zeros(total, dtype=_dtype(d))
+            elif how == "flatten":  # each rank reads the state of every parameter it has part of
+                assert flat is not None
+                for name, shape in zip(flat.names, flat.shapes, strict=True):
+                    for k, d in entry["kept"][name]["tensor_keys"].items():
+                        dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(
+                            shape, dtype=_dtype(d), device=_flat_device(flat)
+                        )
+            elif flat is not None:
                 saved_flat = saved_group["flat"]
                 keys = {"master": torch.float32} | {
                     f"state.{k}": _dtype(d) for k, d in saved_flat["tensor_keys"].items()
@@ -543,6 +570,8 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                         local_bufs[name] = buf
                         dest[name] = buf
             for name, tensor in gv.kept:
+                if name not in entry["kept"]:  # "unflatten": its state is in the flat tensors
+                    continue
                 for key, dtype in entry["kept"][name]["tensor_keys"].items():
                     dest[f"optim.{o}.p.{name}.{key}"] = (
                         torch.empty_like(tensor, dtype=_dtype(dtype))
@@ -591,7 +620,13 @@ def _install_optimizer(
             group[key] = value
     for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
         flat = gv.flat
-        if flat is not None:
+        how = _converted(saved_group, gv, view)
+        if how == "unflatten":
+            _unflatten_state(opt, o, g, saved_group["flat"], dict(gv.kept), loaded)
+        elif how == "flatten":
+            assert flat is not None and flat.sharded is not None
+            _flatten_state(opt, o, entry["kept"], flat.sharded, flat.group, flat.names, loaded)
+        elif flat is not None:
             saved_flat = saved_group["flat"]
             prefix = f"optim.{o}.g{g}."
             states = {k: local_bufs[prefix + "state." + k] for k in saved_flat["tensor_keys"]}
@@ -628,8 +663,8 @@ def _install_optimizer(
                             per[k] = _clone(values[i])
                     opt.state[master] = per
         for name, tensor in gv.kept:
-            saved = entry["kept"][name]
-            if not saved["has_state"]:
+            saved = entry["kept"].get(name)
+            if saved is None or not saved["has_state"]:  # None: "unflatten" did it
                 continue
             per = {k: loaded[f"optim.{o}.p.{name}.{k}"].clone() for k in saved["tensor_keys"]}
             per |= {k: _clone(v) for k, v in saved["scalars"].items()}
@@ -640,6 +675,60 @@ def _install_optimizer(
         st.skipped_steps = int(entry["skipped_steps"])
         st.last_step_skipped = False
         st.reset()
+
+
+def _unflatten_state(
+    opt: torch.optim.Optimizer,
+    o: int,
+    g: int,
+    saved_flat: dict[str, Any],
+    kept: dict[str, torch.Tensor],
+    loaded: dict[str, Any],
+) -> None:
+    """Per-parameter state of FP32 weights from a checkpoint that kept it flat (see [Note: sharded
+    and unsharded FP32 weights load each other])."""
+    starts = flat_starts([tuple(s) for s in saved_flat["shapes"]])
+    for i, (name, start) in enumerate(zip(saved_flat["names"], starts, strict=True)):
+        if not saved_flat["has_state"][i]:
+            continue
+        tensor = kept[name]
+        n = tensor.numel()
+        per = {
+            k: loaded[f"optim.{o}.g{g}.state.{k}"][start : start + n]
+            .view(tensor.shape)
+            .to(tensor.device)
+            .clone()
+            for k in saved_flat["tensor_keys"]
+        }
+        for k, values in saved_flat["scalars"].items():
+            if values[i] is not None:
+                per[k] = _clone(values[i])
+        opt.state[tensor] = per
+
+
+def _flatten_state(
+    opt: torch.optim.Optimizer,
+    o: int,
+    saved_kept: dict[str, Any],
+    sharded: ShardedMasterParams,
+    g: int,
+    names: list[str],
+    loaded: dict[str, Any],
+) -> None:
+    """This rank's slices of the state of FP32 weights from a checkpoint that kept it per
+    parameter, and its FP32 copies from the weights just loaded into the model (see [Note:
+    sharded and unsharded FP32 weights load each other])."""
+    layout, shard = sharded.groups[g], sharded.shards[g]
+    for index, src, count, dst in layout.pieces:
+        shard[dst : dst + count].copy_(layout.params[index].detach().reshape(-1)[src : src + count])
+    for (index, a, b), chunk in zip(layout.spans, sharded.chunks[g], strict=True):
+        saved = saved_kept[names[index]]
+        if not saved["has_state"]:
+            continue
+        full = {k: loaded[f"optim.{o}.p.{names[index]}.{k}"] for k in saved["tensor_keys"]}
+        full |= {k: _clone(v) for k, v in saved["scalars"].items()}
+        param = layout.params[index]
+        opt.state[chunk] = slice_state(full, param, layout.param_offset(index, a), b - a, g)
 
 
 def _clone(value: Any) -> Any:

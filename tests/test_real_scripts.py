@@ -65,9 +65,11 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
     optimizer = model.configure_optimizers(0.1, LEARNING_RATE, (0.9, 0.95))
     if level is not None:
         # "O2-rs": O2 with the reduce-scatter hook (hooks.register(..., reduce_scatter=True));
-        # "O2-ov": that, with the weight gather overlapped with the next forward.
+        # "O2-ov": that, with the weight gather overlapped with the next forward; "O0-zo": FP32
+        # weights sharded (shard_master_weights=True), that path with bf16 updates gathered.
         opt_level = level.split("-")[0]
-        model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0)
+        shard = {"shard_master_weights": True} if level == "O0-zo" else {}
+        model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0, **shard)
     iter_num = 0
     state_at_start = None
     if resume:
@@ -78,6 +80,10 @@ def nanogpt_train(rank, world, level, out_dir, stop, resume, save_at):
     if level is not None and level.endswith(("-rs", "-ov")):
         overlap = level.endswith("-ov")
         distamp.hooks.register(model, optimizer, reduce_scatter=True, overlap_gather=overlap)
+    if level == "O0-zo":
+        distamp.hooks.register(
+            model, optimizer, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+        )
     raw_model = model.module
     X, Y = get_batch()
     losses = []
@@ -166,7 +172,7 @@ def llama_train(rank, world, level):
 
 def _first_runs(rank, world, root):
     out = {"fp32": nanogpt_train(rank, world, None, None, MAX_ITERS, False, None)}
-    for level in ("O1", "O2", "O2-rs", "O2-ov"):
+    for level in ("O1", "O2", "O2-rs", "O2-ov", "O0-zo"):
         out[level] = nanogpt_train(
             rank, world, level, os.path.join(root, level), MAX_ITERS, False, MAX_ITERS // 2
         )
@@ -177,7 +183,7 @@ def _first_runs(rank, world, root):
 def _resumed_runs(rank, world, root):
     return {
         level: nanogpt_train(rank, world, level, os.path.join(root, level), MAX_ITERS, True, None)
-        for level in ("O1", "O2", "O2-rs", "O2-ov")
+        for level in ("O1", "O2", "O2-rs", "O2-ov", "O0-zo")
     }
 
 
@@ -189,7 +195,7 @@ def runs(tmp_path_factory):
     return first, resumed
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov", "O0-zo"])
 def test_nanogpt_script_trains_like_fp32(runs, level):
     first, _ = runs
     fp32, amp = first[0]["fp32"]["losses"], first[0][level]["losses"]
@@ -199,7 +205,7 @@ def test_nanogpt_script_trains_like_fp32(runs, level):
         assert a == pytest.approx(b, rel=0.03)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O2-rs", "O2-ov", "O0-zo"])
 def test_nanogpt_script_ranks_agree_and_resume_exactly(runs, level):
     first, resumed = runs
     for rank in range(2):

@@ -35,7 +35,7 @@ moves 1.5x the bytes of a 16-bit all-reduce.
 
 [Note: 16-bit updates of FP32 weights] ``hooks.register(..., gather_dtype=torch.bfloat16)`` makes
 that gather 16-bit while every rank keeps identical FP32 weights: after the step the owner of each
-element sends its update, new - old (exact in FP32: the two are close), rounded once to bf16, and
+element sends its update, new - old (computed in FP32), rounded once to bf16, and
 every rank, the owner included, adds that same rounded update to its FP32 weight; the owner then
 takes the result as its FP32 copy, so copy and weight never part. A step moves the bytes of one
 16-bit all-reduce, as under O2. What it costs: each step's update is rounded to bf16 (a relative
@@ -483,7 +483,7 @@ class ShardedMasterParams(ModelGrads):
         works = []
         for j, (pos, length) in enumerate(layout.rounds):
             mine = layout.flat_start(self.rank, j)
-            # new - old, exact in FP32 (the two are close), then rounded once to update_dtype
+            # new - old in FP32, then rounded once to update_dtype
             send[pos : pos + length].copy_(
                 shard[pos : pos + length] - layout.flat_half[mine : mine + length]
             )

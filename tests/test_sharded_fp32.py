@@ -81,6 +81,7 @@ def _train(
     half: torch.dtype = torch.bfloat16,
     inf_at: tuple[int, int] | None = None,
     torch_clip: bool = False,
+    clip: float | None = None,
 ) -> dict:
     """``hook``: "none" (DDP's FP32 all-reduce), "ar" (distamp's 16-bit all-reduce hook), "rs"
     (reduce-scatter into the shards, the gather overlapped with the next forward)."""
@@ -91,7 +92,7 @@ def _train(
         state = distamp.hooks.register(ddp, opt)
     elif hook == "rs":
         state = distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
-    history, losses = [], []
+    history, losses, norms = [], [], []
     for step in range(steps):
         x, y = _batch(rank, step)
         loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
@@ -103,6 +104,8 @@ def _train(
         if torch_clip:
             distamp.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if clip is not None:
+            norms.append(distamp.clip_grad_norm_(opt, clip).item())
         opt.step()
         opt.zero_grad()
         history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -110,6 +113,7 @@ def _train(
     return {
         "history": history,
         "losses": losses,
+        "norms": norms,
         "dtypes": {str(p.dtype) for p in model.parameters()},
         "skipped": s.skipped_steps,
         "scale": s.loss_scales[0],
@@ -203,6 +207,23 @@ def test_reduce_scatter_with_overlapped_gather_equals_the_16bit_all_reduce_hook(
         assert diff <= 2e-3
     # The gradients went out in bf16, reduce-scattered: no more bytes than the 16-bit all-reduce.
     assert 0 < rs["bytes"] <= ar["bytes"]
+
+
+def _clipped(rank: int, world: int) -> dict:
+    kw = {"opt_name": "sgd", "clip": 0.05, "hook": "none"}
+    return {sharded: _train(rank, world, "O0", sharded, **kw) for sharded in (True, False)}
+
+
+def test_clip_grad_norm_uses_the_global_norm_across_the_shards():
+    """distamp.clip_grad_norm_ on sharded FP32 weights: every rank gets the same global norm, the
+    unsharded one up to the order of the shards' sums of squares (stated tolerance: 1e-5
+    relative), and the clipped steps land within 1e-6 of the unsharded ones."""
+    out = run_ranks(_clipped, 3)
+    assert out[0][True]["norms"] == out[1][True]["norms"] == out[2][True]["norms"]
+    assert len(out[0][True]["norms"]) == 5 and min(out[0][True]["norms"]) > 0.05  # it clipped
+    for a, b in zip(out[0][True]["norms"], out[0][False]["norms"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert _max_diff(out[0][True]["history"][-1], out[0][False]["history"][-1]) < 1e-6
 
 
 def _inf(rank: int, world: int) -> dict:

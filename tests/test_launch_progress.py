@@ -238,3 +238,10 @@ def test_shard_weights_flag_trains_like_fp32_and_resumes_bit_exact(tmp_path):
     out = run([*torchrun(2), *o0, *resume, "--run-dir", str(resumed)], tmp_path)
     assert "(step 3)" in out
     assert [r["loss"] for r in rows(resumed) if r["step"] > 3] == losses["zero"][3:]
+    # One rank, weights not sharded (what auto picks at world size 1): the checkpoint's flat
+    # optimizer state is cut per parameter, and training goes on from step 3.
+    alone = tmp_path / "zero-at-1"
+    resume[-1:] = []
+    out = run([*torchrun(1), *o0, *resume, "--run-dir", str(alone)], tmp_path)
+    assert "(step 3)" in out and "world size 1" in out
+    assert [r["step"] for r in rows(alone)] == [4, 5, 6]

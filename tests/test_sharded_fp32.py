@@ -141,12 +141,11 @@ def _sharded_and_not(rank: int, world: int, level: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("level", ["O0", "O1"])
 @pytest.mark.parametrize(
-    "world,shard_block",
-    [(1, None), (2, None), (3, None), (3, 4)],
+    "level,world,shard_block",
+    [("O0", 1, None), ("O0", 2, None), ("O0", 3, None), ("O0", 3, 4), ("O1", 3, 4)],
     indirect=["shard_block"],
-    ids=["world1", "world2", "world3", "world3-blocks-4"],
+    ids=["O0-world1", "O0-world2", "O0-world3", "O0-world3-blocks-4", "O1-world3-blocks-4"],
 )
 def test_sharded_fp32_weights_train_bit_for_bit_like_unsharded(level, world, shard_block):
     """The same element-wise arithmetic on slices of the weights: identical weights after every

@@ -544,8 +544,11 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                     total = saved_group["flat"]["total"]
                     dest[f"optim.{o}.g{g}.state.{k}"] = torch.zeros(total, dtype=_dtype(d))
             elif how == "flatten":  # each rank reads the state of every parameter it has part of
-                assert flat is not None
-                for name, shape in zip(flat.names, flat.shapes, strict=True):
+                assert flat is not None and flat.sharded is not None
+                held = {index for index, *_ in flat.sharded.groups[flat.group].pieces}
+                for index, (name, shape) in enumerate(zip(flat.names, flat.shapes, strict=True)):
+                    if index not in held:
+                        continue
                     for k, d in entry["kept"][name]["tensor_keys"].items():
                         dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(
                             shape, dtype=_dtype(d), device=_flat_device(flat)

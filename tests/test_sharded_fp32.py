@@ -260,13 +260,19 @@ def _run(
     load: str,
     save: str,
     gather_dtype: torch.dtype | None = None,
+    reduce_scatter: bool = True,
 ) -> dict:
-    """Steps [first, last) of O0 with sharded weights, reduce-scatter and overlapped gather."""
+    """Steps [first, last) of O0 with sharded weights, reduce-scatter and overlapped gather
+    (``reduce_scatter=False``: the bf16 all-reduce hook, the gather after the step)."""
     model, opt = _make("O0", True)
     ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
     if world > 1:
         distamp.hooks.register(
-            ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=gather_dtype
+            ddp,
+            opt,
+            reduce_scatter=reduce_scatter,
+            overlap_gather=reduce_scatter,
+            gather_dtype=gather_dtype,
         )
     if load:
         distamp.load_checkpoint(load, model, opt)
@@ -426,6 +432,8 @@ def _updates(rank: int, world: int, root: str) -> dict:
         directory = f"{root}/{name}"
         weights = _run(rank, world, 0, 20, "", directory, gather)
         out[name] = weights
+    # The same 16-bit updates after the bf16 all-reduce hook (no reduce-scatter, no overlap).
+    out["bf16-ar"] = _run(rank, world, 0, 20, "", "", torch.bfloat16, False)
     return out
 
 
@@ -446,6 +454,14 @@ def test_bf16_updates_keep_identical_fp32_weights_close_to_the_exact_gather(tmp_
         assert _max_diff({k: copies[k] for k in out[0][name]}, out[0][name]) == 0.0, name
     diff = _max_diff(out[0]["bf16"], out[0]["exact"])
     assert 0.0 < diff < 5e-3
+    # Without the reduce-scatter hook: the same at 2 ranks (one rounding of a two-addend sum
+    # either way); at 3 the bf16 sums round in another order, which 20 AdamW steps (normalized:
+    # a gradient rounded to ~0 on one path takes a full lr step on the other) turn into < 5e-2
+    # (measured 2.0e-2; a lost or doubled bucket moves weights by ~lr = 1e-2 per step).
+    for r in out:
+        assert _max_diff(r["bf16-ar"], out[0]["bf16-ar"]) == 0.0
+    ar_diff = _max_diff(out[0]["bf16-ar"], out[0]["bf16"])
+    assert ar_diff == 0.0 if world == 2 else ar_diff < 5e-2
 
 
 def _refused_gather(rank: int, world: int) -> dict:

@@ -373,6 +373,7 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     n_params = sum(p.numel() for p in Net().parameters())
     assert "world size   2" in out and "opt_level    O2" in out and "step         5" in out
     assert f"parameters   {n_params:,}" in out and "loss scales  65536" in out
+    assert "sharded      FP32 masters and optimizer state over 2 ranks" in out
     target = tmp_path / "fp32.pt"
     subprocess.run(
         [sys.executable, "-m", "distamp.checkpoint", "consolidate", str(directory), str(target)],

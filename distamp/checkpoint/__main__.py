@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"opt_level    {info['opt_level']}  (half dtype {info['properties']['half_dtype']})"
             )
+            print(f"sharded      {info['sharding']}")
             print(f"parameters   {info['parameters']:,}")
             for i, o in enumerate(info["optimizers"]):
                 print(

@@ -851,6 +851,14 @@ def consolidate_optimizer_state(
     return out
 
 
+def _sharding(props: dict[str, Any], world: int) -> str:
+    """What the saving run sharded, in words (the checkpoint loads either way)."""
+    if not props.get("shard_master_weights") or world == 1:
+        return "none (one copy of the optimizer state)"
+    what = "FP32 masters" if props.get("master_weights") else "FP32 weights"
+    return f"{what} and optimizer state over {world} ranks"
+
+
 def inspect(directory: PathLike) -> dict[str, Any]:
     """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints)."""
     directory = Path(directory)
@@ -871,6 +879,7 @@ def inspect(directory: PathLike) -> dict[str, Any]:
         "world_size": manifest["world_size"],
         "opt_level": props.get("opt_level"),
         "half_dtype": props.get("cast_model_type") if props.get("master_weights") else None,
+        "sharding": _sharding(props, manifest["world_size"]),
         "properties": props,
         "parameters": params,
         "optimizers": [

@@ -45,6 +45,10 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
         assert row["median_s"] > 0 and row["final_loss"] < row["first_loss"], (name, row)
     # 16-bit rows put half the bytes of FP32 DDP on the wire.
     assert rows["distamp O0 + hook"]["wire_mb"] * 2 == rows["FP32 DDP"]["wire_mb"]
+    # Sharded FP32 weights hold 12/N bytes per parameter of FP32 copies + AdamW state, not 8.
+    for name in rows:
+        if name.startswith("distamp O0 sharded"):
+            assert rows[name]["held_mb"] < 0.8 * rows["distamp O0 + hook"]["held_mb"], name
     floor = summary["floor"]
     assert floor["floor_s"] == max(floor["compute_s"], floor["wire_s"]) > 0
     assert (floor["wire_s"] > 0) is cluster

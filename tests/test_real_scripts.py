@@ -148,8 +148,16 @@ def llama_train(rank, world, level):
     model = TinyLlama(LlamaConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     if level is not None:
-        model, optimizer = distamp.wrap(model, optimizer, opt_level=level, verbosity=0)
+        # "O1-zo": O1 with its FP32 weights sharded, reduce-scattered, bf16 updates gathered
+        # while the next forward runs (RMSNorm, rotary tables and all).
+        shard = {"shard_master_weights": True} if level == "O1-zo" else {}
+        opt_level = level.split("-")[0]
+        model, optimizer = distamp.wrap(model, optimizer, opt_level=opt_level, verbosity=0, **shard)
     model = DDP(model)
+    if level == "O1-zo":
+        distamp.hooks.register(
+            model, optimizer, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+        )
     gen = torch.Generator().manual_seed(10 + rank)
     phrases = torch.randint(0, 53, (4, 12), generator=torch.Generator().manual_seed(3))
     losses = []
@@ -176,7 +184,7 @@ def _first_runs(rank, world, root):
         out[level] = nanogpt_train(
             rank, world, level, os.path.join(root, level), MAX_ITERS, False, MAX_ITERS // 2
         )
-    out["llama"] = {level: llama_train(rank, world, level) for level in (None, "O1", "O2")}
+    out["llama"] = {level: llama_train(rank, world, level) for level in (None, "O1", "O2", "O1-zo")}
     return out
 
 
@@ -225,7 +233,7 @@ def test_nanogpt_script_ranks_agree_and_resume_exactly(runs, level):
             assert a == pytest.approx(b, rel=0.05)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O1-zo"])
 def test_llama_script_trains_like_fp32(runs, level):
     first, _ = runs
     fp32, amp = first[0]["llama"][None], first[0]["llama"][level]

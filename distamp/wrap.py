@@ -54,7 +54,8 @@ class AmpStats:
     loss_scales: tuple[float, ...]
     """The current scale of each loss (``num_losses`` entries)."""
     master_bytes: int
-    """Bytes of FP32 master weights held by this rank (0 when the weights are their own masters)."""
+    """Bytes of FP32 master weights held by this rank: its shard when sharded (also the FP32 copies
+    of sharded O0/O1 weights), 0 when the weights are their own masters (O0/O1 unsharded, O3)."""
     optimizer_state_bytes: int
     """Bytes of optimizer state (e.g. Adam's moments) held by this rank."""
     last_nonfinite: NonFiniteReport | None = None

@@ -277,6 +277,10 @@ class _LoadIntoMasters:
         scalers = self.scalers()
         if scalers is None:
             return
+        for st in scalers.optimizers:
+            # A gather still in flight (overlap_gather) would land on top of the loaded values.
+            if isinstance(st.masters, ShardedMasterParams):
+                st.masters.finish_gather()
         for name, param in module._parameters.items():
             if param is None or id(param) not in self.cast:
                 continue

@@ -487,3 +487,48 @@ def test_gather_dtype_is_refused_where_it_does_not_apply():
         assert "gathered in the half dtype already" in messages["O2"]
         assert "not sharded" in messages["unsharded O0"]
         assert "must be torch.bfloat16" in messages["fp16"] and "float16" in messages["fp16"]
+
+
+def _load_submodule_right_after_step(
+    rank: int, world: int, gather: torch.dtype | None, level: str = "O0"
+) -> dict:
+    """A step returns with its gather in flight (overlap_gather); loading one block's weights
+    right then must win over the gather still arriving (the weights and the FP32 copies alike)."""
+    model, opt = _make(level, True)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=gather)
+    x, y = _batch(rank, 0)
+    with distamp.scale_loss(
+        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
+    ) as s:
+        s.backward()
+    opt.step()
+    opt.zero_grad()
+    torch.manual_seed(3)
+    block = model.blocks[0]
+    loaded = {k: torch.randn_like(v) for k, v in block.state_dict().items()}
+    block.load_state_dict(loaded)  # the submodule only: the root's own pre-hook does not run
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    with distamp.scale_loss(
+        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
+    ) as s:
+        s.backward()
+    opt.step()  # lr 0: writes the FP32 copies back into the weights
+    live = block.state_dict(keep_vars=True)
+    return {
+        "block": {k: v.detach().clone() for k, v in block.state_dict().items()},
+        # O2: the bf16 weights hold the loaded FP32 values rounded once (its state_dict reports
+        # them as FP32; the FP32 masters hold the loaded values, rewritten by the lr-0 step).
+        "loaded": {k: v.to(live[k].dtype).float() for k, v in loaded.items()},
+    }
+
+
+@pytest.mark.parametrize(
+    "level,gather",
+    [("O0", None), ("O0", torch.bfloat16), ("O2", None)],
+    ids=["O0-fp32-gather", "O0-bf16-updates", "O2"],
+)
+def test_loading_a_submodule_while_the_gather_is_in_flight_keeps_the_loaded_weights(level, gather):
+    for r in run_ranks(_load_submodule_right_after_step, 2, gather, level):
+        assert _max_diff(r["block"], r["loaded"]) == 0.0

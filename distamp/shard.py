@@ -521,8 +521,9 @@ class ShardedMasterParams(ModelGrads):
         module's weights, so the gather of the later layers runs while the first ones compute (the
         layout is in parameter order, which is roughly the order forward uses them). Until then
         the model's half weights are being written: code that reads them other than through a
-        module's forward, ``state_dict()``/``load_state_dict()`` or distamp's checkpoints (a weight
-        norm logged right after ``step()``) must call the hook state's ``finish_gather()`` first —
+        module's forward, a module's ``state_dict()``/``load_state_dict()`` or distamp's
+        checkpoints (a weight norm logged right after ``step()``, a weight used by another
+        module's forward than its own) must call the hook state's ``finish_gather()`` first —
         which is why it is opt-in.
         """
         where = self.flat_positions()
@@ -538,6 +539,9 @@ class ShardedMasterParams(ModelGrads):
                 needed[g] = max(needed.get(g, 0), min(last, len(layout.rounds) - 1) + 1)
             if needed:
                 handles.append(sub.register_forward_pre_hook(_RoundWaiter(self, needed)))
+                # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
+                if sub is not module:
+                    handles.append(sub.register_state_dict_pre_hook(_FinishGather(self)))
         self.watched_groups = len(self.groups)
         handles.append(module.register_state_dict_pre_hook(_FinishGather(self)))
         handles.append(module.register_load_state_dict_pre_hook(_FinishGather(self)))

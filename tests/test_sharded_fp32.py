@@ -532,3 +532,30 @@ def _load_submodule_right_after_step(
 def test_loading_a_submodule_while_the_gather_is_in_flight_keeps_the_loaded_weights(level, gather):
     for r in run_ranks(_load_submodule_right_after_step, 2, gather, level):
         assert _max_diff(r["block"], r["loaded"]) == 0.0
+
+
+def _read_submodule_right_after_step(rank: int, world: int) -> dict:
+    """``block.state_dict()`` right after step() (the bf16 updates still in flight: they reach
+    the weights only when waited for) reads the updated weights, as the root's does."""
+    model, opt = _make("O0", True)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    state = distamp.hooks.register(
+        ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+    )
+    before = {k: v.clone() for k, v in model.blocks[1].state_dict().items()}
+    x, y = _batch(rank, 0)
+    with distamp.scale_loss(
+        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
+    ) as s:
+        s.backward()
+    opt.step()
+    right_after = {k: v.clone() for k, v in model.blocks[1].state_dict().items()}
+    state.finish_gather()
+    settled = {k: v.clone() for k, v in model.blocks[1].state_dict().items()}
+    return {"before": before, "right_after": right_after, "settled": settled}
+
+
+def test_a_submodule_state_dict_right_after_step_waits_for_the_gather():
+    for r in run_ranks(_read_submodule_right_after_step, 2):
+        assert _max_diff(r["right_after"], r["settled"]) == 0.0
+        assert _max_diff(r["settled"], r["before"]) > 0.0  # the step moved them

@@ -528,10 +528,23 @@ class ShardedMasterParams(ModelGrads):
         """
         where = self.flat_positions()
         handles = []
+        # nn.ParameterList/ParameterDict are never called: their parameters are read in the
+        # forward of the module that holds them, so that module waits for them.
+        used_by: dict[int, nn.Module] = {}
+        for holder in module.modules():
+            for child in holder.children():
+                if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+                    used_by.setdefault(id(child), holder)
+        owned: dict[int, list[nn.Parameter]] = {}
+        for sub in module.modules():
+            target = used_by.get(id(sub), sub)
+            owned.setdefault(id(target), []).extend(
+                p for p in sub._parameters.values() if p is not None
+            )
         for sub in module.modules():
             needed: dict[int, int] = {}
-            for param in sub._parameters.values():
-                if param is None or id(param) not in where:
+            for param in owned.get(id(sub), []):
+                if id(param) not in where:
                     continue
                 g, start = where[id(param)]
                 layout = self.groups[g]
@@ -539,9 +552,10 @@ class ShardedMasterParams(ModelGrads):
                 needed[g] = max(needed.get(g, 0), min(last, len(layout.rounds) - 1) + 1)
             if needed:
                 handles.append(sub.register_forward_pre_hook(_RoundWaiter(self, needed)))
-                # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
-                if sub is not module:
-                    handles.append(sub.register_state_dict_pre_hook(_FinishGather(self)))
+            # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
+            own = any(p is not None and id(p) in where for p in sub._parameters.values())
+            if sub is not module and (needed or own):
+                handles.append(sub.register_state_dict_pre_hook(_FinishGather(self)))
         self.watched_groups = len(self.groups)
         handles.append(module.register_state_dict_pre_hook(_FinishGather(self)))
         handles.append(module.register_load_state_dict_pre_hook(_FinishGather(self)))

@@ -559,3 +559,56 @@ def test_a_submodule_state_dict_right_after_step_waits_for_the_gather():
     for r in run_ranks(_read_submodule_right_after_step, 2):
         assert _max_diff(r["right_after"], r["settled"]) == 0.0
         assert _max_diff(r["settled"], r["before"]) > 0.0  # the step moved them
+
+
+class Gains(nn.Module):
+    """Per-channel gains in an nn.ParameterList, read in this module's forward: the list itself is
+    never called, so no forward hook of its own can wait for its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 24)
+        self.gains = nn.ParameterList([nn.Parameter(torch.ones(24)) for _ in range(2)])
+        self.biases = nn.ParameterDict({"out": nn.Parameter(torch.zeros(40))})
+        self.head = nn.Linear(24, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) * self.gains[0] * self.gains[1]
+        return self.head(h) + self.biases["out"]
+
+
+def _gains(rank: int, world: int, overlap: bool) -> list[float]:
+    model = Gains()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    distamp.hooks.register(
+        ddp, opt, reduce_scatter=True, overlap_gather=overlap, gather_dtype=torch.bfloat16
+    )
+    losses = []
+    x, y = _batch(rank, 0)  # one batch, learned step by step
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        losses.append(loss.item())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _gains_both(rank: int, world: int) -> dict:
+    return {overlap: _gains(rank, world, overlap) for overlap in (True, False)}
+
+
+@pytest.mark.parametrize("shard_block", [16], indirect=True, ids=["blocks-16"])
+def test_parameters_in_a_parameter_list_are_waited_for_by_the_module_that_reads_them(shard_block):
+    """nn.ParameterList / nn.ParameterDict (never called themselves): with the gather overlapped,
+    the module holding them waits for their weights, so the losses are those of the waiting path
+    bit for bit (the bf16 updates reach the weights only when waited for: a forward reading them
+    early would compute with the old gains). Blocks of 16 elements put the gains in rounds of
+    their own, after the embedding's."""
+    for r in run_ranks(_gains_both, 2):
+        assert r[True] == r[False]
+        assert r[True][-1] < r[True][0]

@@ -260,19 +260,18 @@ def _run(
     load: str,
     save: str,
     gather_dtype: torch.dtype | None = None,
-    reduce_scatter: bool = True,
+    hook: str = "rs",
+    sharded: bool = True,
 ) -> dict:
-    """Steps [first, last) of O0 with sharded weights, reduce-scatter and overlapped gather
-    (``reduce_scatter=False``: the bf16 all-reduce hook, the gather after the step)."""
-    model, opt = _make("O0", True)
-    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
-    if world > 1:
+    """Steps [first, last) of O0 (weights sharded unless ``sharded=False``). ``hook``: "rs"
+    (reduce-scatter, overlapped gather), "ar" (the bf16 all-reduce hook, the gather after the
+    step) or "none" (DDP's FP32 all-reduce: sharded and unsharded train bit for bit alike)."""
+    model, opt = _make("O0", sharded)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True) if world > 1 else model
+    if world > 1 and hook != "none":
+        rs = hook == "rs"
         distamp.hooks.register(
-            ddp,
-            opt,
-            reduce_scatter=reduce_scatter,
-            overlap_gather=reduce_scatter,
-            gather_dtype=gather_dtype,
+            ddp, opt, reduce_scatter=rs, overlap_gather=rs, gather_dtype=gather_dtype
         )
     if load:
         distamp.load_checkpoint(load, model, opt)
@@ -316,43 +315,22 @@ def _without_copies(state: dict) -> dict:
     return {name: {k: v for k, v in per.items() if k != "master"} for name, per in state.items()}
 
 
-def _plain_run(
-    rank: int, world: int, sharded: bool, first: int, last: int, load: str, save: str
-) -> dict:
-    """Steps [first, last) of O0, sharded or not, on DDP's FP32 all-reduce (no hook): the two
-    train bit for bit alike."""
-    model, opt = _make("O0", sharded)
-    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True) if world > 1 else model
-    if load:
-        distamp.load_checkpoint(load, model, opt)
-    for step in range(first, last):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
-        with distamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-    if save:
-        distamp.save_checkpoint(save, model, opt, extra={"step": last})
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("saved_sharded", [True, False], ids=["sharded->plain", "plain->sharded"])
 def test_sharded_and_unsharded_fp32_weights_load_each_others_checkpoints(tmp_path, saved_sharded):
     """[Note: sharded and unsharded FP32 weights load each other]: a checkpoint of O0 with sharded
     weights resumes unsharded (at 2 ranks and at 1), and back at 3 ranks; the state comes through
     unchanged, and training goes on bit for bit as if nothing had been switched (2 ranks)."""
     saved = str(tmp_path / "saved")
-    straight = run_ranks(_plain_run, 2, saved_sharded, 0, 5, "", "")
-    run_ranks(_plain_run, 2, saved_sharded, 0, 3, "", saved)
+    straight = run_ranks(_run, 2, 0, 5, "", "", None, "none", saved_sharded)
+    run_ranks(_run, 2, 0, 3, "", saved, None, "none", saved_sharded)
     weights, state = consolidate(saved), consolidate_optimizer_state(saved)
     other = not saved_sharded
-    resumed = run_ranks(_plain_run, 2, other, 3, 5, saved, "")
+    resumed = run_ranks(_run, 2, 3, 5, saved, "", None, "none", other)
     for rank in range(2):
         assert _max_diff(resumed[rank], straight[rank]) == 0.0
     for world in (1, 3):
         again = str(tmp_path / f"at{world}")
-        run_ranks(_plain_run, world, other, 3, 3, saved, again)
+        run_ranks(_run, world, 3, 3, saved, again, None, "none", other)
         assert_same(consolidate(again), weights, f"weights at world {world}")
         # (A sharded checkpoint also lists each parameter's FP32 copy, which is its weight.)
         assert_same(_without_copies(consolidate_optimizer_state(again)), _without_copies(state))
@@ -433,7 +411,7 @@ def _updates(rank: int, world: int, root: str) -> dict:
         weights = _run(rank, world, 0, 20, "", directory, gather)
         out[name] = weights
     # The same 16-bit updates after the bf16 all-reduce hook (no reduce-scatter, no overlap).
-    out["bf16-ar"] = _run(rank, world, 0, 20, "", "", torch.bfloat16, False)
+    out["bf16-ar"] = _run(rank, world, 0, 20, "", "", torch.bfloat16, "ar")
     return out
 
 

@@ -259,6 +259,14 @@ def fully_shard(
             "distamp.fsdp.fully_shard: expected an initialized process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
+    # FSDP shards the parameters themselves, and with them their FP32 values and optimizer state:
+    # apex's "shard the masters" switch can only be on (or left to its default) here.
+    if overrides.pop("shard_master_weights", None) is False:
+        raise ValueError(
+            "distamp.fsdp.fully_shard: shard_master_weights=False, but FSDP always shards the "
+            "parameters, their FP32 masters and their optimizer state; expected True or no "
+            "shard_master_weights (replicated masters: distamp.wrap + DistributedDataParallel)"
+        )
     group = process_group or dist.group.WORLD
     assert group is not None
     world = dist.get_world_size(group)

@@ -149,6 +149,35 @@ def test_inf_in_one_ranks_local_shard_skips_every_rank(fused):
     assert_same(results[1]["weights"], results[0]["weights"], "ranks after the skip")
 
 
+def shard_master_weights_option(rank, world):
+    """fully_shard(..., shard_master_weights=True) as a DeepSpeed/ZeRO user would write it."""
+    weights = {}
+    for name, extra in {"default": {}, "True": {"shard_master_weights": True}}.items():
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = distamp.fsdp.fully_shard(
+            model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0, **extra
+        )
+        for step in range(3):
+            _step(model, opt, step, rank, world)
+        weights[name] = fp32_weights("fsdp", model, opt)
+    model = Net()
+    try:
+        distamp.fsdp.fully_shard(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), shard_master_weights=False
+        )
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return weights, refused
+
+
+def test_shard_master_weights_is_accepted_and_false_is_refused():
+    for weights, refused in run_ranks(shard_master_weights_option, 2):
+        assert_same(weights["True"], weights["default"], "shard_master_weights=True")
+        assert "shard_master_weights=False" in refused and "always shards" in refused
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 

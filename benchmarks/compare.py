@@ -126,7 +126,8 @@ def setup(
     lr = opts["lr"]
     impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[opts["adamw"]]
     adamw = functools.partial(torch.optim.AdamW, lr=lr, **impl)
-    ddp_of = functools.partial(DDP, bucket_cap_mb=opts["bucket_mb"])
+    # Every DDP row: the .grad are views into the buckets (no copy into them and back per step).
+    ddp_of = functools.partial(DDP, bucket_cap_mb=opts["bucket_mb"], gradient_as_bucket_view=True)
     dtype = torch.bfloat16
     autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
 

@@ -705,7 +705,10 @@ def main() -> None:
     train_model: nn.Module = model
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     if backend is not None:
-        train_model = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        # The .grad are views into DDP's buckets: no copy into them and back every step.
+        train_model = DistributedDataParallel(
+            model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True
+        )
         no_sync = train_model.no_sync
         # An explicit O0 is the FP32 baseline (FP32 on the wire); auto's O0 keeps a 16-bit wire.
         # auto's O2 shards the masters across ranks: the reduce-scatter path is its fastest wire

@@ -101,17 +101,24 @@ def _divide_then_cast(
 ) -> torch.Tensor:
     """``buffer / world`` in at least the buffer's precision, then cast to ``wire`` (into ``out``).
 
-    See [Note: divide before casting down]. Divides the bucket in place (its contents are replaced
-    by the reduced result anyway), so a same-dtype bucket is reduced with no copy at all;
+    See [Note: divide before casting down]. A same-dtype bucket is divided in place (its contents
+    are replaced by the reduced result anyway), so it is reduced with no copy at all;
     ``keep_source`` leaves ``buffer`` as it is and writes the quotient into ``out`` (the
-    reduce-scatter hook sends a gathered copy and keeps the bucket). A half buffer sent in the
-    other half dtype (BF16 grads on an FP16 wire) goes through FP32 so the division is rounded once.
+    reduce-scatter hook sends a gathered copy and keeps the bucket). An FP32 bucket on a 16-bit
+    wire is divided and cast in one pass (the quotient is computed in FP32 and rounded once as it
+    is stored: the same bits as dividing, then casting, at half the time on CPU, with no FP32
+    temporary). A half buffer sent in the other half dtype (BF16 grads on an FP16 wire) goes
+    through FP32 so the division is rounded once.
     """
     if buffer.dtype == wire:
         if keep_source and out is not None:
             return torch.div(buffer, world, out=out)
         return buffer.div_(world) if not keep_source else buffer / world
-    if buffer.dtype != torch.float32 and wire != torch.float32:
+    if buffer.dtype == torch.float32:
+        return torch.div(
+            buffer, world, out=torch.empty_like(buffer, dtype=wire) if out is None else out
+        )
+    if wire != torch.float32:
         source = buffer.float().div_(world)
     else:
         source = buffer / world if keep_source else buffer.div_(world)

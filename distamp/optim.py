@@ -28,6 +28,7 @@ from .config import HALF_DTYPES
 from .forensics import NonFiniteReport
 from .nonfinite import check_and_unscale_, nonfinite_flag
 from .optstate import OptState
+from .rounds import round_step, step_in_rounds
 
 if TYPE_CHECKING:
     from .scaler import Backward, ScalerGroup
@@ -395,8 +396,12 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.skipped_steps += 1
                 st.group.after_skip(st)
             else:
-                super().step()
-                st.masters.copy_to_model(after_step=True)
+                in_rounds = round_step(self, st.masters)
+                if in_rounds is None:
+                    super().step()
+                    st.masters.copy_to_model(after_step=True)
+                else:  # see [Note: the step in rounds]
+                    step_in_rounds(self, st.masters, in_rounds)  # type: ignore[arg-type]
         finally:
             st.reset()
         return None

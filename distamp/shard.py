@@ -420,35 +420,89 @@ class ShardedMasterParams(ModelGrads):
         own call (``after_step``) returns without waiting when ``overlap_gather`` is set (see
         [Note: the gather overlaps the next forward]) and sends 16-bit updates when
         ``update_dtype`` is (see [Note: 16-bit updates of FP32 weights]); any other call (a
-        loaded state) gathers the exact values.
+        loaded state) gathers the exact values. The step in rounds (distamp/rounds.py) makes the
+        same calls, one round at a time between the rounds it steps.
         """
+        self.begin_gather(after_step=after_step)
+        for j in range(self.gather_rounds()):
+            self.gather_round(j)
+        self.end_gather(after_step=after_step)
+
+    def gather_rounds(self) -> int:
+        """Rounds of blocks of the longest group: how many :meth:`gather_round` calls a gather
+        makes (round j of every group that has one)."""
+        return max((len(g.rounds) for g in self.groups if g.flat_half is not None), default=0)
+
+    def round_of_chunks(self) -> dict[int, int]:
+        """id(chunk the inner optimizer steps) -> the round of blocks it lies in."""
+        return {
+            id(chunk): a // layout.block
+            for layout, chunks in zip(self.groups, self.chunks, strict=True)
+            for (_, a, _), chunk in zip(layout.spans, chunks, strict=True)
+        }
+
+    def begin_gather(self, *, after_step: bool) -> None:
+        """Wait for the last gather still in flight; the next :meth:`gather_round` calls start a
+        new one (16-bit updates when ``after_step`` and ``update_dtype`` say so)."""
         self.finish_gather()
-        updates = after_step and self.update_dtype is not None and self.world > 1
+        self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
+        self.pending = [[] for _ in self.groups]
+        self.waited = [0] * len(self.groups)
+        if not self.pending_updates:
+            return
+        assert self.update_dtype is not None
+        for layout in self.groups:
+            if layout.flat_half is None:
+                continue
+            if layout.updates is None or layout.updates.dtype != self.update_dtype:
+                device = layout.flat_half.device
+                layout.updates = torch.empty(layout.padded, dtype=self.update_dtype, device=device)
+                layout.update_send = torch.empty(
+                    layout.shard_size, dtype=self.update_dtype, device=device
+                )
+
+    def gather_round(self, j: int) -> None:
+        """Collective: start all-gathering round ``j`` of every group that has one (its blocks
+        must be stepped already). Round j's blocks lie end to end, rank 0 first: one all-gather
+        into one slice of the target, no staging copy."""
         with torch.no_grad():
-            works: list[list[Any]] = []
-            for layout, shard in zip(self.groups, self.shards, strict=True):
-                if layout.flat_half is None:
-                    works.append([])
+            for g, (layout, shard) in enumerate(zip(self.groups, self.shards, strict=True)):
+                if layout.flat_half is None or j >= len(layout.rounds):
                     continue
-                if updates:
-                    works.append(self._gather_updates(layout, shard))
-                    continue
-                mine = shard
-                if layout.send is not None:
-                    layout.send.copy_(shard)
-                    mine = layout.send
+                pos, length = layout.rounds[j]
+                start = layout.flat_start(0, j)
+                if self.pending_updates:
+                    assert layout.update_send is not None and layout.updates is not None
+                    mine = layout.flat_start(self.rank, j)
+                    send = layout.update_send[pos : pos + length]
+                    # new - old in FP32, then rounded once to update_dtype
+                    send.copy_(shard[pos : pos + length] - layout.flat_half[mine : mine + length])
+                    target = layout.updates
+                else:
+                    send = shard[pos : pos + length]
+                    if layout.send is not None:  # half weights: gathered from the cast copy
+                        send = layout.send[pos : pos + length].copy_(send)
+                    target = layout.flat_half
                 if self.process_group is None or self.world == 1:
-                    layout.flat_half[: mine.numel()].copy_(mine)
-                    works.append([])
+                    layout.flat_half[start : start + length].copy_(send)
                     continue
-                works.append(self._gather(layout, mine, layout.flat_half))
-        self.pending, self.waited = works, [0] * len(works)
-        self.pending_updates = updates
+                self.pending[g].append(
+                    dist.all_gather_single(
+                        target[start : start + length * self.world],
+                        send,
+                        group=self.process_group,
+                        async_op=True,
+                    )
+                )
+
+    def end_gather(self, *, after_step: bool) -> None:
+        """After the last :meth:`gather_round`: wait for the gather, unless it is the step's and
+        may overlap the next forward (then only for the groups no forward hook waits for)."""
         if not (after_step and self.overlap_gather):
             self.finish_gather()
             return
-        for g in range(self.watched_groups, len(works)):  # no forward hook waits for these
-            self.wait_rounds(g, len(works[g]))
+        for g in range(self.watched_groups, len(self.pending)):
+            self.wait_rounds(g, len(self.pending[g]))
 
     def finish_gather(self) -> None:
         """Wait for every all-gather of the last step still in flight."""
@@ -466,37 +520,6 @@ class ShardedMasterParams(ModelGrads):
             if self.pending_updates:
                 self._apply_updates(g, j)
             self.waited[g] = j + 1
-
-    def _gather_updates(self, layout: _Group, shard: torch.Tensor) -> list[Any]:
-        """Collective: start all-gathering this step's updates of ``layout``'s FP32 weights in
-        ``update_dtype``, one round at a time (see [Note: 16-bit updates of FP32 weights])."""
-        assert self.update_dtype is not None and layout.flat_half is not None
-        if layout.updates is None or layout.updates.dtype != self.update_dtype:
-            layout.updates = torch.empty(
-                layout.padded, dtype=self.update_dtype, device=layout.flat_half.device
-            )
-            layout.update_send = torch.empty(
-                layout.shard_size, dtype=self.update_dtype, device=layout.flat_half.device
-            )
-        send = layout.update_send
-        assert send is not None
-        works = []
-        for j, (pos, length) in enumerate(layout.rounds):
-            mine = layout.flat_start(self.rank, j)
-            # new - old in FP32, then rounded once to update_dtype
-            send[pos : pos + length].copy_(
-                shard[pos : pos + length] - layout.flat_half[mine : mine + length]
-            )
-            start = layout.flat_start(0, j)
-            works.append(
-                dist.all_gather_single(
-                    layout.updates[start : start + length * self.world],
-                    send[pos : pos + length],
-                    group=self.process_group,
-                    async_op=True,
-                )
-            )
-        return works
 
     def _apply_updates(self, g: int, j: int) -> None:
         """Round ``j`` of group ``g``'s updates has arrived: every rank adds the same rounded

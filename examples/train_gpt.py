@@ -433,8 +433,9 @@ def pick_opt_level(
     )
     if world_size == 1:
         return "O0", f"{no_units})"
-    # On par with O0 + the bf16 all-reduce hook at 2 ranks, faster at 4 (the step is 1/N),
-    # and 1/N of the optimizer state: README, W2/W3 with FP32 compute.
+    # On par with O0 + the bf16 all-reduce hook at 2 ranks, faster at 4 where the wire is the
+    # bottleneck (the step is 1/N); within noise of it where the cores are (measured on a CPU
+    # without bf16 units); 1/N of the optimizer state everywhere: README, W2/W3 with FP32 compute.
     return "O0", (
         f"{no_units}; FP32 weights and optimizer state sharded across ranks, gradients "
         "reduce-scattered in bf16, updates gathered in bf16)"

@@ -122,8 +122,10 @@ def _assert_same_history(a, b, what):
 @pytest.mark.parametrize("shard_block", [4], indirect=True)
 @pytest.mark.parametrize(
     "opt_name,world",
-    [("sgd", 2), ("adamw", 2), ("adamw-fused", 2), ("adagrad", 2), ("rmsprop", 2), ("nadam", 2)]
-    + [("sgd", 3), ("adamw", 3)],
+    [
+        *[(name, 2) for name in ("sgd", "adamw", "adamw-fused", "adagrad", "rmsprop", "nadam")],
+        *[(name, 3) for name in ("sgd", "adamw")],
+    ],
 )
 def test_the_step_in_rounds_equals_one_replicated_step_bit_for_bit(shard_block, opt_name, world):
     """O2 with sharded masters in 4-element blocks (many rounds) against replicated masters (one

@@ -472,6 +472,14 @@ def test_gather_dtype_is_refused_where_it_does_not_apply():
         assert "must be torch.bfloat16" in messages["fp16"] and "float16" in messages["fp16"]
 
 
+def _backward(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One forward and backward through ``scale_loss`` (the gradients for the next step)."""
+    with distamp.scale_loss(
+        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
+    ) as s:
+        s.backward()
+
+
 def _load_submodule_right_after_step(
     rank: int, world: int, gather: torch.dtype | None, level: str = "O0"
 ) -> dict:
@@ -481,10 +489,7 @@ def _load_submodule_right_after_step(
     ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
     distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=gather)
     x, y = _batch(rank, 0)
-    with distamp.scale_loss(
-        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
-    ) as s:
-        s.backward()
+    _backward(ddp, opt, x, y)
     opt.step()
     opt.zero_grad()
     torch.manual_seed(3)
@@ -493,10 +498,7 @@ def _load_submodule_right_after_step(
     block.load_state_dict(loaded)  # the submodule only: the root's own pre-hook does not run
     for group in opt.param_groups:
         group["lr"] = 0.0
-    with distamp.scale_loss(
-        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
-    ) as s:
-        s.backward()
+    _backward(ddp, opt, x, y)
     opt.step()  # lr 0: writes the FP32 copies back into the weights
     live = block.state_dict(keep_vars=True)
     return {
@@ -527,10 +529,7 @@ def _read_submodule_right_after_step(rank: int, world: int) -> dict:
     )
     before = {k: v.clone() for k, v in model.blocks[1].state_dict().items()}
     x, y = _batch(rank, 0)
-    with distamp.scale_loss(
-        nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()), opt
-    ) as s:
-        s.backward()
+    _backward(ddp, opt, x, y)
     opt.step()
     right_after = {k: v.clone() for k, v in model.blocks[1].state_dict().items()}
     state.finish_gather()

@@ -146,9 +146,11 @@ class _Group:
         self.send: torch.Tensor | None = None
         self.updates: torch.Tensor | None = None
         """With 16-bit updates of FP32 weights: every rank's updates of the last step, laid out
-        like ``flat_half``."""
-        self.update_send: torch.Tensor | None = None
-        """This rank's updates of the last step, laid out like its shard."""
+        like ``flat_half`` (this rank's own are written in place and gathered from there)."""
+        self.widened: torch.Tensor | None = None
+        """With 16-bit updates: FP32 room for one round, reused: this rank's updates before they
+        are rounded, every rank's widened before they are added (no FP32 temporary per round:
+        the allocator would keep them)."""
 
     def flat_start(self, rank: int, block: int) -> int:
         """First element in the flat buffer of block ``block`` of ``rank``'s shard."""
@@ -457,9 +459,8 @@ class ShardedMasterParams(ModelGrads):
             if layout.updates is None or layout.updates.dtype != self.update_dtype:
                 device = layout.flat_half.device
                 layout.updates = torch.empty(layout.padded, dtype=self.update_dtype, device=device)
-                layout.update_send = torch.empty(
-                    layout.shard_size, dtype=self.update_dtype, device=device
-                )
+                widest = max(length for _, length in layout.rounds) * self.world
+                layout.widened = torch.empty(widest, dtype=torch.float32, device=device)
 
     def gather_round(self, j: int) -> None:
         """Collective: start all-gathering round ``j`` of every group that has one (its blocks
@@ -472,11 +473,19 @@ class ShardedMasterParams(ModelGrads):
                 pos, length = layout.rounds[j]
                 start = layout.flat_start(0, j)
                 if self.pending_updates:
-                    assert layout.update_send is not None and layout.updates is not None
+                    assert layout.updates is not None and layout.widened is not None
                     mine = layout.flat_start(self.rank, j)
-                    send = layout.update_send[pos : pos + length]
-                    # new - old in FP32, then rounded once to update_dtype
-                    send.copy_(shard[pos : pos + length] - layout.flat_half[mine : mine + length])
+                    # new - old in FP32, then rounded once to update_dtype: straight into this
+                    # rank's place in the gather target (an in-place all-gather: no send buffer),
+                    # through the reused FP32 round (no temporary per round)
+                    send = layout.updates[mine : mine + length]
+                    difference = layout.widened[:length]
+                    torch.sub(
+                        shard[pos : pos + length],
+                        layout.flat_half[mine : mine + length],
+                        out=difference,
+                    )
+                    send.copy_(difference)
                     target = layout.updates
                 else:
                     send = shard[pos : pos + length]
@@ -526,11 +535,14 @@ class ShardedMasterParams(ModelGrads):
         updates to its FP32 weights, and the owner takes the result as its FP32 copy."""
         layout, shard = self.groups[g], self.shards[g]
         assert layout.flat_half is not None and layout.updates is not None
+        assert layout.widened is not None
         pos, length = layout.rounds[j]
         start, end = layout.flat_start(0, j), layout.flat_start(0, j) + length * self.world
         mine = layout.flat_start(self.rank, j)
         with torch.no_grad():
-            layout.flat_half[start:end].add_(layout.updates[start:end])
+            # A mixed-dtype add_ would widen the updates into a fresh FP32 tensor per round.
+            widened = layout.widened[: end - start].copy_(layout.updates[start:end])
+            layout.flat_half[start:end].add_(widened)
             shard[pos : pos + length].copy_(layout.flat_half[mine : mine + length])
 
     def wait_in_forward(self, module: nn.Module) -> list[Any]:

@@ -114,13 +114,20 @@ def zero_reduce_hook(
         n_send, n_recv = sum(piece.send_counts), piece.recv_count * world
         out = send[sent : sent + n_send]
         at = 0
-        for runs in piece.sends:
-            for offset, count, _ in runs:
-                part = out[at : at + count]
-                _divide_then_cast(
-                    buffer[offset : offset + count], world, wire, part, keep_source=True
-                )
-                at += count
+        with state._lock:
+            scratch = state.scratch(buffer.device)
+            for runs in piece.sends:
+                for offset, count, _ in runs:
+                    part = out[at : at + count]
+                    _divide_then_cast(
+                        buffer[offset : offset + count],
+                        world,
+                        wire,
+                        part,
+                        keep_source=True,
+                        scratch=scratch,
+                    )
+                    at += count
         work = dist.all_to_all_single(
             recv[received : received + n_recv],
             out,

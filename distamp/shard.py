@@ -147,6 +147,9 @@ class _Group:
         self.updates: torch.Tensor | None = None
         """With 16-bit updates of FP32 weights: every rank's updates of the last step, laid out
         like ``flat_half`` (this rank's own are written in place and gathered from there)."""
+        self.flat_offset = 0
+        """Where this group's flat layout starts in the masters' staging buffer (see [Note: one
+        staging buffer for the two halves])."""
         self.widened: torch.Tensor | None = None
         """With 16-bit updates: FP32 room for one round, reused: this rank's updates before they
         are rounded, every rank's widened before they are added (no FP32 temporary per round:
@@ -245,6 +248,11 @@ class ShardedMasterParams(ModelGrads):
         """Per group, the all-gather works of the last step not waited for yet, one per round."""
         self.waited: list[int] = []
         """Per group, how many rounds of ``pending`` have been waited for."""
+        self.staging: torch.Tensor | None = None
+        """Bytes shared by the 16-bit updates and the reduce-scatter hook: see [Note: one staging
+        buffer for the two halves]."""
+        self.staging_hooks = 0
+        """Reduce-scatter hooks registered on these masters (the staging is shared with one)."""
 
     @classmethod
     def take(
@@ -453,14 +461,38 @@ class ShardedMasterParams(ModelGrads):
         if not self.pending_updates:
             return
         assert self.update_dtype is not None
+        room = self.staging_room(self.update_dtype)
         for layout in self.groups:
             if layout.flat_half is None:
                 continue
-            if layout.updates is None or layout.updates.dtype != self.update_dtype:
-                device = layout.flat_half.device
-                layout.updates = torch.empty(layout.padded, dtype=self.update_dtype, device=device)
+            start = layout.flat_offset
+            layout.updates = room[start : start + layout.padded]
+            if layout.widened is None:
                 widest = max(length for _, length in layout.rounds) * self.world
-                layout.widened = torch.empty(widest, dtype=torch.float32, device=device)
+                layout.widened = torch.empty(
+                    widest, dtype=torch.float32, device=layout.flat_half.device
+                )
+
+    def staging_room(self, dtype: torch.dtype) -> torch.Tensor:
+        """The staging buffer as ``dtype``: one element per element of every group's flat layout.
+
+        [Note: one staging buffer for the two halves] With 16-bit updates of FP32 weights the
+        step gathers every rank's updates into a 16-bit copy of the flat layout, which lives until
+        the next forward has added them; the reduce-scatter hook receives every rank's part of
+        each bucket, which lives from its bucket's turn in backward until the reduced gradient is
+        in the shard. Their lives never overlap (the hook first waits for any gather still in
+        flight, and the step comes after every bucket is reduced), and both fit in one element per
+        element of the layout (the hook receives N times what this rank owns of each bucket: at
+        most N shards), so they share one buffer: 16.8 MB less per rank at 16.8M parameters.
+        """
+        numel = 0
+        for layout in self.groups:
+            layout.flat_offset = numel
+            numel += layout.padded if layout.flat_half is not None else 0
+        size = numel * dtype.itemsize
+        if self.staging is None or self.staging.numel() < size:
+            self.staging = torch.empty(size, dtype=torch.uint8, device=self._device())
+        return self.staging[:size].view(dtype)
 
     def gather_round(self, j: int) -> None:
         """Collective: start all-gathering round ``j`` of every group that has one (its blocks

@@ -120,6 +120,7 @@ def register(
         zero = ZeroState(process_group=group, wire_dtype=wire, masters=masters)
         masters.armed_grad_buffer()
         ddp_model.register_comm_hook(zero, zero_reduce_hook)
+        masters.staging_hooks += 1
         if overlap_gather:
             masters.wait_in_forward(ddp_model.module)
             masters.overlap_gather = True

@@ -70,6 +70,8 @@ class ZeroState(CompressState):
     """Buckets reduce-scattered (the rest were all-reduced) since the hook was registered."""
     _plans: dict[int, _Plan] = field(default_factory=dict, repr=False)
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _received: int = field(default=0, repr=False)
+    """Elements of the masters' staging buffer the buckets of this backward received into."""
 
     def finish_gather(self) -> None:
         """With ``overlap_gather``: wait until the weights the last step updated have all arrived
@@ -97,6 +99,9 @@ def zero_reduce_hook(
     """
     masters = state.masters
     assert masters is not None and state.wire_dtype is not None
+    idx = bucket.index()
+    if idx == 0:  # DDP hands its buckets over in index order: a new backward
+        state._received = 0
     plan = _plan(state, masters, bucket)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
@@ -104,10 +109,9 @@ def zero_reduce_hook(
     wire = state.wire_dtype
     world = masters.world
     group = state.process_group
-    idx = bucket.index()
     total_send = sum(sum(p.send_counts) for p in plan.pieces)
     send = state.buffer(idx, "send", total_send, wire)
-    recv = state.buffer(idx, "recv", sum(p.recv_count * world for p in plan.pieces), wire)
+    recv = _receive_buffer(state, masters, idx, sum(p.recv_count * world for p in plan.pieces))
     works = []
     sent = received = 0
     for piece in plan.pieces:
@@ -163,6 +167,23 @@ def zero_reduce_hook(
 
     fut: torch.futures.Future[Any] = torch.futures.collect_all([w.get_future() for w in works])
     return fut.then(reduce)
+
+
+def _receive_buffer(
+    state: ZeroState, masters: "ShardedMasterParams", index: int, numel: int
+) -> torch.Tensor:
+    """Where bucket ``index`` receives every rank's part of what this rank owns: the next stretch
+    of the masters' staging buffer (see [Note: one staging buffer for the two halves]), or a
+    buffer of its own when the masters serve several hooks."""
+    assert state.wire_dtype is not None
+    if masters.staging_hooks == 1:
+        masters.finish_gather()  # the last step's updates have landed: the staging is free
+        room = masters.staging_room(state.wire_dtype)
+        start = state._received
+        if start + numel <= room.numel():  # always, by the Note's count
+            state._received += numel
+            return room[start : start + numel]
+    return state.buffer(index, "recv", numel, state.wire_dtype)
 
 
 def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradBucket) -> _Plan:

@@ -297,3 +297,30 @@ def test_a_parameter_ddp_does_not_reduce_still_gets_the_global_decision():
         assert r["scale"] == 2.0**15
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bucket_longer_than_the_scratch_stretch_is_divided_then_cast_bit_for_bit(wire, world):
+    """[Note: divide before casting down] through the reused FP32 stretch: a bucket of 2.5
+    stretches (the last one short), a slice of a bigger buffer, with values at the wire's range
+    ends and inf/NaN, is cast to exactly the bits of dividing the whole bucket, then casting."""
+    from distamp.hooks.compress import STRETCH, _divide_then_cast
+
+    gen = torch.Generator().manual_seed(1)
+    n = STRETCH * 2 + STRETCH // 2 + 7
+    backing = torch.randn(n + 13, generator=gen) * 10 ** torch.randint(
+        -8, 5, (n + 13,), generator=gen
+    )
+    backing[[5, STRETCH - 1, STRETCH, n - 1]] = torch.tensor(
+        [float("inf"), float("nan"), 1e5, -7e4]
+    )
+    bucket = backing[3 : 3 + n]
+    before = bucket.clone()
+    out = torch.empty(n, dtype=wire)
+    scratch = torch.full((STRETCH,), float("nan"))  # stale contents must never leak through
+    got = _divide_then_cast(bucket, world, wire, out, keep_source=True, scratch=scratch)
+    assert got is out
+    expected = (before / world).to(wire)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(bucket.view(torch.int32), before.view(torch.int32))  # the bucket is kept

@@ -483,7 +483,8 @@ class ShardedMasterParams(ModelGrads):
         in the shard. Their lives never overlap (the hook first waits for any gather still in
         flight, and the step comes after every bucket is reduced), and both fit in one element per
         element of the layout (the hook receives N times what this rank owns of each bucket: at
-        most N shards), so they share one buffer: 16.8 MB less per rank at 16.8M parameters.
+        most N shards), so they share one buffer: a 16-bit copy of the model less per rank (31.9 MB
+        for the 16M-parameter GPT of benchmarks/compare.py).
         """
         numel = 0
         for layout in self.groups:

@@ -42,12 +42,11 @@ from distamp.hooks.zero import ZeroState
 from distamp.shard import ShardedMasterParams
 
 ROWS = [
-    "FP32 DDP",
-    "DDP + torch fp16_compress_hook",
-    "ZeroRedundancyOptimizer",
-    "distamp O0 + hook",
-    "distamp O0 sharded + reduce-scatter hook + overlapped bf16-update gather",
+    c
+    for c in compare.FP32_CONFIGS
+    if not c.startswith(("floor", "FSDP2", "DeepSpeed")) and "overlapped gather" not in c
 ]
+"""compare.py's FP32-compute rows that run under DDP here (no optional extras, no floor)."""
 MB = 1e6
 
 

@@ -366,3 +366,54 @@ def _default_keeps_ddp_gradients(rank: int, world: int) -> bool:
 
 def test_by_default_every_rank_holds_the_reduced_gradients_after_backward():
     assert all(run_ranks(_default_keeps_ddp_gradients, 2))
+
+
+class _Weights(nn.Module):
+    """loss = sum(w * c): the gradient of ``w`` is exactly ``c`` (with the sign of its zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3000))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.w * c).sum()
+
+
+def _reduced_bits(rank: int, world: int, half: torch.dtype) -> dict:
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    c = torch.randn(3000, generator=gen) * 10 ** torch.randint(-30, 30, (3000,), generator=gen)
+    c[:4] = torch.tensor([-0.0, 0.0, -0.0, 3e38 if half == torch.bfloat16 else 6e4])
+    c[4] = -0.0 if rank == 0 else 0.0  # -0 + 0 = +0; positions 0 and 2: -0 + -0 = -0
+    c = c.to(half)
+    model = _Weights()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O2", half_dtype=half, loss_scale=1.0, verbosity=0
+    )
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    with distamp.scale_loss(ddp(c).float(), opt) as scaled:
+        scaled.backward()
+    distamp.unscale_(opt)  # the reduced gradients, gathered back into .grad
+    got = model.w.grad.detach().clone()
+    # What an all-reduce of the divided, cast gradients delivers (gloo sums the two addends).
+    expected = (c.float() / world).to(half)
+    dist.all_reduce(expected)
+    return {"got": got.view(torch.int16), "expected": expected.view(torch.int16)}
+
+
+@BLOCKS
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_the_reduced_gradients_are_the_all_reduce_s_bits_signed_zeros_and_range_ends_included(
+    half, shard_block
+):
+    """At 2 ranks each shard's reduced gradient is bit for bit what gloo's all-reduce of the same
+    divided, cast gradients gives: -0 + -0 = -0, -0 + 0 = +0, the largest finite values summed
+    (overflow to inf), 60 decades of magnitudes (fp16's cast overflows and underflows too)."""
+    for r in run_ranks(_reduced_bits, 2, half):
+        got, expected = r["got"], r["expected"]
+        nan = expected.view(half).isnan()  # inf - inf: a NaN either way, its sign bit may differ
+        assert torch.equal(got.view(half).isnan(), nan)
+        assert torch.equal(got[~nan], expected[~nan])

@@ -56,6 +56,8 @@ from train_gpt import GPT, SIZES, GPTConfig, RandomWindows, load_stdlib_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster import cluster, rate_bits_per_s
+from phases import Phases
+from phases import markdown as phases_markdown
 
 import distamp
 import distamp.fsdp
@@ -276,6 +278,9 @@ def worker(
     if step is not None:
         data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
         times, losses = [], []
+        phases = None
+        if opts.get("phases"):
+            phases = Phases(model, opt, os.environ.get("GLOO_SOCKET_IFNAME"))
         # [Note: steps timed back to back] One barrier before the timed steps, none between them:
         # a step's time runs from the end of the previous one to its own end (its batch included),
         # so work a configuration defers past step() (an all-gather still in flight, waited for
@@ -286,15 +291,23 @@ def worker(
             if i == opts["warmup"]:
                 dist.barrier()
                 start = time.perf_counter()
+            timed = i >= opts["warmup"]
+            if phases is not None and timed:
+                phases.begin()
             x, y = data.batch(opts["batch"], device, i)
             loss = step(x, y)
             losses.append(float(loss))
             if use_cuda:
                 torch.cuda.synchronize()
             end = time.perf_counter()
-            if i >= opts["warmup"]:
+            if phases is not None and timed:
+                phases.end()
+            if timed:
                 times.append(end - start)
             start = end
+        if phases is not None:
+            phases.stop()
+            result["phases"] = phases.summary(opts.get("link_bits"))
         result |= {
             "times": times,
             "first_loss": losses[0],
@@ -416,6 +429,7 @@ def summarize(config: str, rounds: list[list[dict[str, Any]]], opts: dict[str, A
         "wire_mb": first["wire_bytes"] / 1e6,
         "first_loss": statistics.fmean(r["first_loss"] for r in rounds[-1]),
         "final_loss": statistics.fmean(r["final_loss"] for r in rounds[-1]),
+        **({"phases": rounds[-1][0]["phases"]} if "phases" in rounds[-1][0] else {}),
     }
 
 
@@ -554,6 +568,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each step's phases on rank 0 and, with --nodes, how busy its link is",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per world")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank, under torchrun
@@ -591,6 +610,8 @@ def main() -> None:
         "world": args.world,
         "data_mb": 0.5 if args.quick else 4.0,
         "timeout": args.timeout or (120.0 if args.quick else 900.0),
+        "phases": args.phases,
+        "link_bits": link_bits,
     }
     runs: dict[str, list[Any]] = {c: [] for c in configs}
     with contextlib.ExitStack() as stack:
@@ -623,6 +644,13 @@ def main() -> None:
         f"matmul rate, measured in this run."
     )
     table = markdown(rows, header, floor)
+    if args.phases:
+        traced = [(r["config"], r["phases"]) for r in rows if "phases" in r]
+        table += (
+            "\nWhere the time goes (rank 0, last round, median ms per step; see "
+            "benchmarks/phases.py):\n\n"
+            + phases_markdown(traced, args.link if args.nodes else None)
+        )
     print("\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     net = f"-{args.nodes}nodes-{args.link}" if args.nodes else ""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -24,7 +26,7 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts" / "system-deps.sh"), "iproute2"], check=False)
     cluster = can_build_a_cluster()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "fp32"]
-    cmd += ["--out-dir", str(tmp_path)]
+    cmd += ["--out-dir", str(tmp_path), "--phases"]
     if cluster:
         cmd += ["--nodes", "2", "--link", "1gbit"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -52,6 +54,47 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     floor = summary["floor"]
     assert floor["floor_s"] == max(floor["compute_s"], floor["wire_s"]) > 0
     assert (floor["wire_s"] > 0) is cluster
-    table = (tmp_path / f"{stem}.md").read_text()
+    table, phases_table = (tmp_path / f"{stem}.md").read_text().split("Where the time goes")
     assert "| configuration | median step s |" in table and "vs floor" in table
     assert table.count("\n| ") == len(FP32_CONFIGS) + 1  # the header and one line per row
+    # --phases: every row that trained split its steps into phases on rank 0.
+    timed = [r for r in rows.values() if "median_s" in r]
+    assert phases_table.count("\n| ") == len(timed) + 1
+    for row in timed:
+        ph = row["phases"]
+        assert ph["forward"] > 0 and ph["backward"] > 0, row["config"]
+        if not row["config"].startswith("DeepSpeed"):  # its optimizer has no torch step hooks
+            assert ph["step"] > 0, row["config"]
+        assert sum(ph[p] for p in ("other", "forward", "backward", "step")) <= 1.5 * row["median_s"]
+        if cluster:  # bytes sent on the link: none without communication
+            assert (ph["sent_mb"] > 0.1) is (not row["config"].startswith("floor")), row
+            assert 0 <= ph["busy"] <= 1.2, row
+
+
+def test_phases_split_each_step_and_measure_the_link_against_its_rate():
+    """benchmarks/phases.py: the marks its hooks take split each step into phases; bytes sent in
+    each phase over what the link could send in it is how busy the link was."""
+    import torch
+    from phases import Phases
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ph = Phases(model, opt, None)  # no link: phases only
+    for _ in range(3):
+        ph.begin()
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ph.end()
+    ph.stop()
+    assert [p for p, _ in ph.steps[0]] == ["other", "forward", "backward", "step", "other", "end"]
+    s = ph.summary(None)
+    assert all(s[p] > 0 for p in ("forward", "backward", "step")) and "busy" not in s
+    # A link that sent 125 MB in 1 s at 1 Gbit/s was busy all the time; half of that, half.
+    ph.steps = [[("other", 0.0), ("forward", 0.25), ("backward", 0.5), ("step", 0.75),
+                 ("other", 1.0), ("end", 1.0)]]  # fmt: skip
+    ph.samples = [(0.0, 0), (0.5, 62_500_000), (1.0, 93_750_000)]
+    s = ph.summary(1e9)
+    assert s["forward_busy"] == pytest.approx(1.0) and s["other_busy"] == pytest.approx(1.0)
+    assert s["backward_busy"] == pytest.approx(0.5) and s["step_busy"] == pytest.approx(0.5)
+    assert s["sent_mb"] == pytest.approx(93.75) and s["busy"] == pytest.approx(0.75)

@@ -5,6 +5,7 @@
     python benchmarks/compare.py --quick           # tiny sizes, a smoke run (under 3 minutes)
     python benchmarks/compare.py --plot            # also a PNG bar chart (needs matplotlib)
     python benchmarks/compare.py --workload w2 --nodes 2 --link 1gbit   # an emulated cluster
+    python benchmarks/compare.py --workload w2 --nodes 2 --phases      # + where each step goes
 
 Precision by capability: every configuration computes in the precision that is fastest here —
 bf16 where the CPU has bf16 units (or on a GPU), FP32 otherwise (bf16 matmul then runs at ~1/100
@@ -23,7 +24,9 @@ state (+ FP32 masters) per rank, gradient bytes each rank puts on the wire per s
 final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the "floor" row
 (each rank, no communication, forward+backward and the optimizer over 1/N of the parameters), the
 wire floor the bytes of a 16-bit ring all-reduce of the gradients over the link rate (emulated
-cluster only). Results go to ``--out-dir`` as JSON and Markdown.
+cluster only). ``--phases`` adds a second table: each step of rank 0 split into forward, backward,
+step and the rest, and how busy the link is in each (benchmarks/phases.py). Results go to
+``--out-dir`` as JSON and Markdown.
 """
 
 from __future__ import annotations

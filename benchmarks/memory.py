@@ -87,6 +87,7 @@ def _accounting(model: torch.nn.Module, opt: Any) -> dict[str, float]:
         hooks += [*state._wire_buffers.values(), state._scratch]
         if isinstance(state, ZeroState):
             hooks += list(state._buffers.values())
+            hooks += [*state._free, *state._lent.values()]
     out["hook buffers"] = _bytes(hooks)
     return {k: v / MB for k, v in out.items()}
 

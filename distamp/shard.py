@@ -483,8 +483,10 @@ class ShardedMasterParams(ModelGrads):
         in the shard. Their lives never overlap (the hook first waits for any gather still in
         flight, and the step comes after every bucket is reduced), and both fit in one element per
         element of the layout (the hook receives N times what this rank owns of each bucket: at
-        most N shards), so they share one buffer: a 16-bit copy of the model less per rank (31.9 MB
-        for the 16M-parameter GPT of benchmarks/compare.py).
+        most N shards), so they share one buffer: a 16-bit copy of the model less per rank (31.9
+        MB for the 16M-parameter GPT of benchmarks/compare.py). Without 16-bit updates there is
+        no staging buffer: the hook's receive buffers come from its pool (see [Note: buffers
+        only in flight] in hooks/zero.py).
         """
         numel = 0
         for layout in self.groups:

@@ -152,8 +152,10 @@ def test_reduce_scatter_path_equals_the_all_reduce_path(world, shard_block):
         assert diff == 0.0  # the sum of two addends is rounded once either way
     else:
         _close(out[0]["rs"]["weights"], out[0]["ar"]["weights"], 2e-3)
-    # The reduce-scatter puts (bucket) bytes on the wire per step, not more.
-    assert out[0]["rs"]["bytes"] <= out[0]["ar"]["bytes"]
+    # The reduce-scatter sends (N - 1)/N of each sharded bucket (its own part stays home: see
+    # [Note: the own part stays home]); the all-reduce hook hands gloo every bucket whole.
+    rs, ar = out[0]["rs"]["bytes"], out[0]["ar"]["bytes"]
+    assert (world - 1) / world * ar <= rs < ar
 
 
 @BLOCKS
@@ -417,3 +419,51 @@ def test_the_reduced_gradients_are_the_all_reduce_s_bits_signed_zeros_and_range_
         nan = expected.view(half).isnan()  # inf - inf: a NaN either way, its sign bit may differ
         assert torch.equal(got.view(half).isnan(), nan)
         assert torch.equal(got[~nan], expected[~nan])
+
+
+def _pool_after_steps(rank: int, world: int) -> dict:
+    from distamp.hooks.zero import MAX_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(16)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model, bucket_cap_mb=0.001)  # a bucket per weight
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        with distamp.scale_loss(ddp(x.bfloat16()).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    me = opt._distamp.masters.rank
+    per_bucket = sum(  # what a send and a receive buffer kept per bucket would hold, in bytes
+        2 * (sum(p.send_counts) - p.send_counts[me] + p.recv_count * world)
+        for plan in state._plans.values()
+        for p in plan.pieces
+    )
+    return {
+        "buckets": state.buckets_scattered // 3,
+        "pool": len(state._free),
+        "lent": len(state._lent),
+        "pool_bytes": sum(b.numel() for b in state._free),
+        "longest": state._longest,
+        "per_bucket": per_bucket,
+        "max_in_flight": MAX_IN_FLIGHT,
+        "staging": opt._distamp.masters.staging,
+    }
+
+
+def test_send_and_receive_buffers_exist_only_for_the_buckets_in_flight():
+    """[Note: buffers only in flight]: with a bucket per weight (many more buckets than may be in
+    flight) the hook's pool ends up with at most two buffers (send, receive) per bucket in flight,
+    each as long as the longest a bucket asked for, every one handed back: less than a send and a
+    receive buffer per bucket would hold (and no more as buckets are added). O2 allocates no
+    staging buffer."""
+    for r in run_ranks(_pool_after_steps, 2):
+        assert r["buckets"] > 2 * r["max_in_flight"], r
+        assert r["lent"] == 0, r
+        assert 0 < r["pool"] <= 2 * r["max_in_flight"], r
+        assert r["pool_bytes"] <= 2 * r["max_in_flight"] * r["longest"], r
+        assert r["pool_bytes"] < r["per_bucket"], r
+        assert r["staging"] is None, r

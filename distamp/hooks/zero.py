@@ -20,6 +20,7 @@ masters do not shard (an FP32 norm layer under O2, another optimizer's parameter
 as before.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ from .compress import CompressState, _compress_hook, _divide_then_cast
 
 if TYPE_CHECKING:
     from ..shard import ShardedMasterParams
+
+MAX_IN_FLIGHT = 4
+"""Buckets whose reduce-scatter may be in flight at once; see [Note: buffers only in flight]."""
 
 PIECE = 1 << 20
 """Elements of a bucket one all-to-all carries at most; several pieces are in flight at once
@@ -70,6 +74,15 @@ class ZeroState(CompressState):
     """Buckets reduce-scattered (the rest were all-reduced) since the hook was registered."""
     _plans: dict[int, _Plan] = field(default_factory=dict, repr=False)
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _free: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Send and receive buffers no bucket is using (see [Note: buffers only in flight])."""
+    _longest: int = field(default=0, repr=False)
+    """Elements of the longest buffer a bucket has asked for: every buffer is made that long, so
+    any free one fits any bucket."""
+    _lent: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    """id(what :meth:`take` returned) -> the buffer it is a view of."""
+    _in_flight: deque[torch.futures.Future[Any]] = field(default_factory=deque, repr=False)
+    """The futures of this backward's buckets not yet seen done, oldest first."""
     _received: int = field(default=0, repr=False)
     """Elements of the masters' staging buffer the buckets of this backward received into."""
 
@@ -80,13 +93,45 @@ class ZeroState(CompressState):
         if self.masters is not None:
             self.masters.finish_gather()
 
-    def buffer(self, index: int, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable flat buffer per bucket and purpose (no allocation per step)."""
-        buf = self._buffers.get((index, kind))
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = torch.empty(numel, dtype=dtype)
-            self._buffers[(index, kind)] = buf
-        return buf
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A free buffer's first ``numel`` elements as ``dtype`` (a new buffer when none is
+        free); hand it back with :meth:`give`."""
+        size = numel * dtype.itemsize
+        with self._lock:
+            self._longest = max(self._longest, size)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= size and b.device == device]
+            if fits:
+                whole = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            else:  # none is long enough: the shorter ones go (nothing will fit them again)
+                self._free = [b for b in self._free if b.numel() >= self._longest]
+                whole = torch.empty(self._longest, dtype=torch.uint8, device=device)
+            view = whole[:size].view(dtype)
+            self._lent[id(view)] = whole
+        return view
+
+    def give(self, *views: torch.Tensor) -> None:
+        """Buffers from :meth:`take` whose bucket is done with them."""
+        with self._lock:
+            for view in views:
+                whole = self._lent.pop(id(view))
+                if whole.numel() >= self._longest:  # a shorter one was made before the longest
+                    self._free.append(whole)
+
+    def wait_for_room(self) -> None:
+        """See [Note: buffers only in flight]: until fewer than ``MAX_IN_FLIGHT`` buckets are."""
+        while self._in_flight and (
+            self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
+        ):
+            self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
+
+    def sum_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a piece's sum over more than two ranks goes before it is copied into the shard
+        gradient: one per state, as long as the longest piece (the caller holds ``_lock``)."""
+        buf = self._buffers.get((-1, "sum"))
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, PIECE), dtype=dtype)
+            self._buffers[(-1, "sum")] = buf
+        return buf[:numel]
 
 
 def zero_reduce_hook(
@@ -102,93 +147,131 @@ def zero_reduce_hook(
     idx = bucket.index()
     if idx == 0:  # DDP hands its buckets over in index order: a new backward
         state._received = 0
+        state._in_flight.clear()  # DDP waited for every bucket of the last one
     plan = _plan(state, masters, bucket)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
+    # [Note: buffers only in flight] A bucket's send buffer is needed until its all-to-all has
+    # sent it, its receive buffer until the sum is in the shard gradient; buffers of one per
+    # bucket, kept, would hold a 16-bit copy of the model each. So buckets take them from a pool
+    # and give them back from their callback, and no more than MAX_IN_FLIGHT buckets are in
+    # flight: the hook of the next one first waits for the oldest. Where the wire is slower than
+    # the backward (the case that fills the pool) that wait costs nothing: the backward would end
+    # before the wire anyway; four buckets in flight keep it busy. With 16-bit updates of FP32
+    # weights the staging buffer exists anyway and receives (see [Note: one staging buffer for
+    # the two halves] in shard.py).
+    state.wait_for_room()
     buffer = bucket.buffer()
     wire = state.wire_dtype
-    world = masters.world
+    world, me = masters.world, masters.rank
     group = state.process_group
-    total_send = sum(sum(p.send_counts) for p in plan.pieces)
-    send = state.buffer(idx, "send", total_send, wire)
-    recv = _receive_buffer(state, masters, idx, sum(p.recv_count * world for p in plan.pieces))
+    # [Note: the own part stays home] What this rank owns of the bucket is divided and cast straight
+    # into its own slot of the receive buffer: it never enters the send buffer or gloo (which
+    # would copy it from one to the other), so the send buffer holds (N - 1)/N of the bucket.
+    total_send = sum(sum(p.send_counts) - p.send_counts[me] for p in plan.pieces)
+    send = state.take(total_send, wire, buffer.device)
+    recv, pooled = _receive_buffer(state, masters, sum(p.recv_count * world for p in plan.pieces))
     works = []
     sent = received = 0
     for piece in plan.pieces:
-        n_send, n_recv = sum(piece.send_counts), piece.recv_count * world
+        n = piece.recv_count
+        n_send = sum(piece.send_counts) - piece.send_counts[me]
         out = send[sent : sent + n_send]
-        at = 0
+        # This piece's receive buffer: this rank's own part first, then every other rank's in
+        # rank order (the all-to-all's output, one contiguous stretch).
+        mine = recv[received : received + n * world]
+        at_out = 0
         with state._lock:
             scratch = state.scratch(buffer.device)
-            for runs in piece.sends:
+            for rank, runs in enumerate(piece.sends):
+                at = 0 if rank == me else at_out
+                target = mine if rank == me else out
                 for offset, count, _ in runs:
-                    part = out[at : at + count]
                     _divide_then_cast(
                         buffer[offset : offset + count],
                         world,
                         wire,
-                        part,
+                        target[at : at + count],
                         keep_source=True,
                         scratch=scratch,
                     )
                     at += count
+                if rank != me:
+                    at_out = at
         work = dist.all_to_all_single(
-            recv[received : received + n_recv],
+            mine[n:],
             out,
-            output_split_sizes=[piece.recv_count] * world,
-            input_split_sizes=piece.send_counts,
+            output_split_sizes=[0 if r == me else n for r in range(world)],
+            input_split_sizes=[0 if r == me else c for r, c in enumerate(piece.send_counts)],
             group=group,
             async_op=True,
         )
         works.append(work)
-        sent, received = sent + n_send, received + n_recv
+        sent, received = sent + n_send, received + n * world
     state.record(send)
     with state._lock:
         state.buckets_scattered += 1
     grad_buffer = masters.armed_grad_buffer()
 
     def reduce(_: Any) -> torch.Tensor:
+        try:
+            _reduce_into_shard()
+        finally:
+            state.give(send, *([recv] if pooled else []))
+        return buffer
+
+    def _reduce_into_shard() -> None:
         offset = 0
         for piece in plan.pieces:  # collect_all: every piece has arrived
             n = piece.recv_count
             if n:
                 parts = recv[offset : offset + n * world].view(world, n)
                 # One rounding to the wire dtype, as the all-reduce's sum (see the Note): torch
-                # sums 16-bit values in FP32 and rounds the result once. Into the send buffer,
-                # which is free again (every piece was sent), so nothing is allocated here.
-                # Two addends: one add, 9x faster than torch.sum over dim 0 (this runs in
-                # gloo's worker thread, next to the backward) and, as gloo's sum, -0 + -0 = -0.
+                # sums 16-bit values in FP32 and rounds the result once. Two addends: one add in
+                # place, 9x faster than torch.sum over dim 0 (this runs in gloo's worker thread,
+                # next to the backward) and, as gloo's sum, -0 + -0 = -0. More addends: into one
+                # reused buffer, under the lock (two buckets' callbacks may run at once in gloo's
+                # two threads).
                 if world == 2:
-                    summed = torch.add(parts[0], parts[1], out=send[:n])
+                    summed = torch.add(parts[0], parts[1], out=parts[0])
+                    _copy_runs(summed, piece.recv_runs, grad_buffer)
                 else:
-                    summed = torch.sum(parts, dim=0, out=send[:n])
-                at = 0
-                for _, count, dst in piece.recv_runs:
-                    grad_buffer[dst : dst + count].copy_(summed[at : at + count])
-                    at += count
+                    with state._lock:
+                        summed = torch.sum(parts, dim=0, out=state.sum_buffer(n, wire))
+                        _copy_runs(summed, piece.recv_runs, grad_buffer)
             offset += n * world
         masters.mark_reduced(plan.param_ids)
-        return buffer
 
     fut: torch.futures.Future[Any] = torch.futures.collect_all([w.get_future() for w in works])
-    return fut.then(reduce)
+    done = fut.then(reduce)
+    state._in_flight.append(done)
+    return done
+
+
+def _copy_runs(summed: torch.Tensor, runs: list[Run], grad_buffer: torch.Tensor) -> None:
+    """The reduced values of one piece into their places in the FP32 shard gradient."""
+    at = 0
+    for _, count, dst in runs:
+        grad_buffer[dst : dst + count].copy_(summed[at : at + count])
+        at += count
 
 
 def _receive_buffer(
-    state: ZeroState, masters: "ShardedMasterParams", index: int, numel: int
-) -> torch.Tensor:
-    """Where bucket ``index`` receives every rank's part of what this rank owns: the next stretch
-    of the masters' staging buffer (see [Note: one staging buffer for the two halves]), or a
-    buffer of its own when the masters serve several hooks."""
+    state: ZeroState, masters: "ShardedMasterParams", numel: int
+) -> tuple[torch.Tensor, bool]:
+    """(where a bucket receives every rank's part of what this rank owns, whether that buffer is
+    the pool's): the next stretch of the masters' staging buffer when it holds 16-bit updates
+    anyway (see [Note: one staging buffer for the two halves]), else a buffer from the pool (see
+    [Note: buffers only in flight])."""
     assert state.wire_dtype is not None
-    if masters.staging_hooks == 1:
-        masters.finish_gather()  # the last step's updates have landed: the staging is free
+    masters.finish_gather()  # the last step's gather has landed (the staging is free again)
+    if masters.staging_hooks == 1 and masters.update_dtype is not None:
         room = masters.staging_room(state.wire_dtype)
         start = state._received
         if start + numel <= room.numel():  # always, by the Note's count
             state._received += numel
-            return room[start : start + numel]
-    return state.buffer(index, "recv", numel, state.wire_dtype)
+            return room[start : start + numel], False
+    return state.take(numel, state.wire_dtype, masters._device()), True
 
 
 def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradBucket) -> _Plan:
@@ -205,6 +288,9 @@ def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradB
         # old layout, or the old buckets' buffers would stay allocated next to the new ones.
         state._plans.clear()
         state._buffers.clear()
+        with state._lock:
+            state._free.clear()
+            state._longest = 0
     where = masters.flat_positions()
     buffer = bucket.buffer()
     if buffer.is_sparse or any(id(p) not in where for p in params):

@@ -23,6 +23,17 @@ SHARD_BLOCK_ENV = "DISTAMP_TEST_SHARD_BLOCK"
 """Environment variable the spawned ranks read: elements per block of sharded masters."""
 
 
+_CONTEXT = mp.get_context("forkserver")
+# [Note: ranks forked from a server that imported torch] Every rank used to be spawned: a fresh
+# interpreter importing torch and distamp, ~2-3 s of two busy cores per rank, for several hundred
+# multi-rank tests. A fork server imports them once (per pytest worker); each rank is forked
+# from it. What spawn gave for free is passed explicitly: the test's environment (a fork server
+# keeps the one it started with; tests set variables with monkeypatch), and sys.path
+# (multiprocessing hands it over for forkserver as for spawn). Nothing runs in the server but
+# imports: no threads, no process group, so forking it is safe.
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "distamp", "tests.dist_harness"])
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -30,7 +41,10 @@ def _entry(
     init_file: str,
     out_dir: str,
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     block = os.environ.get(SHARD_BLOCK_ENV)
     if block:
@@ -77,11 +91,13 @@ def run_ranks(
     this raise with that rank's traceback; a hang is killed after ``timeout`` seconds, and the
     surviving ranks are killed ``GRACE_AFTER_DEATH_S`` after one rank died by a signal.
     """
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="distamp-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        environ = dict(os.environ)
         procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world_size, init_file, tmp, args))
+            _CONTEXT.Process(
+                target=_entry, args=(fn, rank, world_size, init_file, tmp, args, environ)
+            )
             for rank in range(world_size)
         ]
         for proc in procs:

@@ -84,10 +84,9 @@ def _accounting(model: torch.nn.Module, opt: Any) -> dict[str, float]:
         warnings.simplefilter("ignore", FutureWarning)
         states = [o for o in gc.get_objects() if isinstance(o, CompressState)]
     for state in states:  # held by DDP's reducer: found through the garbage collector
-        hooks += [*state._wire_buffers.values(), state._scratch]
+        hooks += [*state._free, *state._lent.values(), state._scratch]
         if isinstance(state, ZeroState):
             hooks += list(state._buffers.values())
-            hooks += [*state._free, *state._lent.values()]
     out["hook buffers"] = _bytes(hooks)
     return {k: v / MB for k, v in out.items()}
 

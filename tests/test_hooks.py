@@ -324,3 +324,50 @@ def test_a_bucket_longer_than_the_scratch_stretch_is_divided_then_cast_bit_for_b
     expected = (before / world).to(wire)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     assert torch.equal(bucket.view(torch.int32), before.view(torch.int32))  # the bucket is kept
+
+
+def _many_buckets(rank, world):
+    from distamp.hooks.compress import MAX_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32, bias=False) for _ in range(16)))
+    reference = DDP(torch.nn.Sequential(*(torch.nn.Linear(32, 32, bias=False) for _ in range(16))))
+    reference.module.load_state_dict(model.state_dict())
+    ddp = DDP(model, bucket_cap_mb=0.002)  # about a bucket per weight: FP32 grads, 4 KB each
+    state = CompressState()
+    ddp.register_comm_hook(state, distamp.hooks.bf16_compress_hook)
+    sums = []
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        sums.append([p.grad.clone() for p in model.parameters()])
+    reference.zero_grad()
+    reference(x).square().mean().backward()  # the last step's batch, FP32 all-reduce
+    return {
+        "buckets": state.buckets_reduced // 3,
+        "pool": len(state._free),
+        "lent": len(state._lent),
+        "longest": max(p.numel() * 2 for p in model.parameters()),  # bf16 bytes of a bucket
+        "pool_bytes": sum(b.numel() for b in state._free),
+        "max_in_flight": MAX_IN_FLIGHT,
+        "diff": max(
+            (a - p.grad).abs().max().item()
+            for a, p in zip(sums[-1], reference.module.parameters(), strict=True)
+        ),
+        "scale": max(p.grad.abs().max().item() for p in reference.module.parameters()),
+    }
+
+
+def test_wire_buffers_exist_only_for_the_buckets_in_flight():
+    from distamp.hooks.compress import GRAIN
+
+    """[Note: buffers only in flight] for the all-reduce hook: FP32 gradients in many more buckets
+    than may be in flight are cast into pooled 16-bit buffers, at most one per bucket in flight,
+    all handed back, and the reduced gradients are FP32 DDP's within bf16 rounding."""
+    for r in run_ranks(_many_buckets, 2):
+        assert r["buckets"] > 2 * r["max_in_flight"], r
+        assert r["lent"] == 0, r
+        assert 0 < r["pool"] <= r["max_in_flight"], r
+        assert r["pool_bytes"] <= r["max_in_flight"] * max(r["longest"], GRAIN), r
+        assert r["diff"] <= 2**-7 * r["scale"], r

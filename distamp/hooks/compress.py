@@ -18,6 +18,7 @@ any rank reaches every rank's reduced gradients and the loss scaler skips the st
 """
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,13 @@ import torch
 import torch.distributed as dist
 
 WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+MAX_IN_FLIGHT = 4
+"""Buckets whose reduction may be in flight at once; see [Note: buffers only in flight]."""
+
+GRAIN = 1 << 16
+"""Bytes a pooled wire buffer's length is rounded up to, so that buckets of nearly the same length
+(DDP's, cut at parameter boundaries) share buffers."""
 
 STRETCH = 1 << 18
 """Elements an FP32 bucket is divided in at a time on its way to a 16-bit wire (1 MB of FP32
@@ -50,9 +58,14 @@ class CompressState:
     wire_dtypes_seen: set[torch.dtype] = field(default_factory=set)
     """Every dtype handed to the process group."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _wire_buffers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    """One reusable wire-dtype buffer per bucket: a fresh allocation every step costs page faults
-    that take longer than the cast itself on CPU (measured: 36 ms vs 8.5 ms for 21M values)."""
+    _free: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Wire buffers no bucket is using (see [Note: buffers only in flight]); reused, not
+    allocated per step: a fresh allocation costs page faults that take longer than the cast
+    itself on CPU (measured: 36 ms vs 8.5 ms for 21M values)."""
+    _lent: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    """id(what :meth:`take` returned) -> the buffer it is a view of."""
+    _in_flight: deque[torch.futures.Future[Any]] = field(default_factory=deque, repr=False)
+    """The futures of this backward's buckets not yet seen done, oldest first."""
     _scratch: torch.Tensor | None = field(default=None, repr=False)
     """The FP32 quotients of one stretch of a bucket on their way to the wire dtype: see
     :func:`_divide_then_cast`."""
@@ -64,18 +77,48 @@ class CompressState:
                 f"got {self.wire_dtype!r}"
             )
 
-    def wire_buffer(self, index: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The reusable wire buffer of bucket ``index`` (DDP rebuilds its buckets once)."""
-        buf = self._wire_buffers.get(index)
-        if (
-            buf is None
-            or buf.shape != like.shape
-            or buf.dtype != dtype
-            or buf.device != like.device
+    # [Note: buffers only in flight] A bucket's 16-bit wire buffer (the reduce-scatter hook's send
+    # and receive buffers) is needed from its turn in backward until its reduction has come
+    # back; buffers of one per bucket, kept, would hold a 16-bit copy of the model each. So
+    # buckets take them from a pool and give them back from their callback, and no more than
+    # MAX_IN_FLIGHT buckets are in flight: the hook of the next one first waits for the oldest.
+    # Where the wire is slower than the backward (the case that fills the pool) that wait costs
+    # nothing: the backward would end before the wire anyway; four buckets in flight keep it busy.
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A free buffer's first ``numel`` elements as ``dtype`` (the shortest that is long
+        enough; a new one, rounded up to a multiple of ``GRAIN`` bytes, when none is); hand it
+        back with :meth:`give`."""
+        size = numel * dtype.itemsize
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= size and b.device == device]
+            if fits:
+                whole = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            else:
+                whole = torch.empty(-(-size // GRAIN) * GRAIN, dtype=torch.uint8, device=device)
+            view = whole[:size].view(dtype)
+            self._lent[id(view)] = whole
+        return view
+
+    def give(self, *views: torch.Tensor) -> None:
+        """Buffers from :meth:`take` whose bucket is done with them. One more than twice as long
+        as what it served (the buckets of DDP's first step, before it rebuilds them, can be much
+        longer) is dropped, and so is the longest when more than two per bucket in flight are
+        free: the pool holds what the buckets of now need, no more."""
+        with self._lock:
+            for view in views:
+                whole = self._lent.pop(id(view))
+                if whole.numel() <= 2 * max(view.numel() * view.element_size(), GRAIN):
+                    self._free.append(whole)
+            while len(self._free) > 2 * MAX_IN_FLIGHT:
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    def wait_for_room(self) -> None:
+        """See [Note: buffers only in flight]: until fewer than ``MAX_IN_FLIGHT`` buckets are."""
+        while self._in_flight and (
+            self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
         ):
-            buf = torch.empty_like(like, dtype=dtype)
-            self._wire_buffers[index] = buf
-        return buf
+            self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
 
     def scratch(self, device: torch.device) -> torch.Tensor:
         """The reusable FP32 stretch :func:`_divide_then_cast` divides into (one per state; the
@@ -155,8 +198,13 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    if isinstance(state, CompressState) and buffer.dtype != wire:
-        out = state.wire_buffer(bucket.index(), buffer, wire)
+    pooled = isinstance(state, CompressState) and buffer.dtype != wire
+    if pooled:
+        assert isinstance(state, CompressState)
+        if bucket.index() == 0:  # a new backward: DDP waited for every bucket of the last one
+            state._in_flight.clear()
+        state.wait_for_room()
+        out = state.take(buffer.numel(), wire, buffer.device)
         with state._lock:
             compressed = _divide_then_cast(
                 buffer, world, wire, out, scratch=state.scratch(buffer.device)
@@ -168,12 +216,21 @@ def _compress_hook(
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = fut.value()[0]
-        if reduced is not buffer:
-            buffer.copy_(reduced)
+        try:
+            reduced = fut.value()[0]
+            if reduced is not buffer:
+                buffer.copy_(reduced)
+        finally:
+            if pooled:
+                assert isinstance(state, CompressState)
+                state.give(compressed)
         return buffer
 
-    return fut.then(decompress)
+    done = fut.then(decompress)
+    if pooled:
+        assert isinstance(state, CompressState)
+        state._in_flight.append(done)
+    return done
 
 
 # The names must differ from torch's: DDP refuses a hook *named* bf16_compress_hook unless the

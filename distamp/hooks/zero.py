@@ -20,7 +20,6 @@ masters do not shard (an FP32 norm layer under O2, another optimizer's parameter
 as before.
 """
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +30,6 @@ from .compress import CompressState, _compress_hook, _divide_then_cast
 
 if TYPE_CHECKING:
     from ..shard import ShardedMasterParams
-
-MAX_IN_FLIGHT = 4
-"""Buckets whose reduce-scatter may be in flight at once; see [Note: buffers only in flight]."""
 
 PIECE = 1 << 20
 """Elements of a bucket one all-to-all carries at most; several pieces are in flight at once
@@ -74,15 +70,6 @@ class ZeroState(CompressState):
     """Buckets reduce-scattered (the rest were all-reduced) since the hook was registered."""
     _plans: dict[int, _Plan] = field(default_factory=dict, repr=False)
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
-    _free: list[torch.Tensor] = field(default_factory=list, repr=False)
-    """Send and receive buffers no bucket is using (see [Note: buffers only in flight])."""
-    _longest: int = field(default=0, repr=False)
-    """Elements of the longest buffer a bucket has asked for: every buffer is made that long, so
-    any free one fits any bucket."""
-    _lent: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    """id(what :meth:`take` returned) -> the buffer it is a view of."""
-    _in_flight: deque[torch.futures.Future[Any]] = field(default_factory=deque, repr=False)
-    """The futures of this backward's buckets not yet seen done, oldest first."""
     _received: int = field(default=0, repr=False)
     """Elements of the masters' staging buffer the buckets of this backward received into."""
 
@@ -92,37 +79,6 @@ class ZeroState(CompressState):
         the next forward])."""
         if self.masters is not None:
             self.masters.finish_gather()
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A free buffer's first ``numel`` elements as ``dtype`` (a new buffer when none is
-        free); hand it back with :meth:`give`."""
-        size = numel * dtype.itemsize
-        with self._lock:
-            self._longest = max(self._longest, size)
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= size and b.device == device]
-            if fits:
-                whole = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            else:  # none is long enough: the shorter ones go (nothing will fit them again)
-                self._free = [b for b in self._free if b.numel() >= self._longest]
-                whole = torch.empty(self._longest, dtype=torch.uint8, device=device)
-            view = whole[:size].view(dtype)
-            self._lent[id(view)] = whole
-        return view
-
-    def give(self, *views: torch.Tensor) -> None:
-        """Buffers from :meth:`take` whose bucket is done with them."""
-        with self._lock:
-            for view in views:
-                whole = self._lent.pop(id(view))
-                if whole.numel() >= self._longest:  # a shorter one was made before the longest
-                    self._free.append(whole)
-
-    def wait_for_room(self) -> None:
-        """See [Note: buffers only in flight]: until fewer than ``MAX_IN_FLIGHT`` buckets are."""
-        while self._in_flight and (
-            self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
-        ):
-            self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
 
     def sum_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Where a piece's sum over more than two ranks goes before it is copied into the shard
@@ -151,15 +107,9 @@ def zero_reduce_hook(
     plan = _plan(state, masters, bucket)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
-    # [Note: buffers only in flight] A bucket's send buffer is needed until its all-to-all has
-    # sent it, its receive buffer until the sum is in the shard gradient; buffers of one per
-    # bucket, kept, would hold a 16-bit copy of the model each. So buckets take them from a pool
-    # and give them back from their callback, and no more than MAX_IN_FLIGHT buckets are in
-    # flight: the hook of the next one first waits for the oldest. Where the wire is slower than
-    # the backward (the case that fills the pool) that wait costs nothing: the backward would end
-    # before the wire anyway; four buckets in flight keep it busy. With 16-bit updates of FP32
-    # weights the staging buffer exists anyway and receives (see [Note: one staging buffer for
-    # the two halves] in shard.py).
+    # See [Note: buffers only in flight] in compress.py. With 16-bit updates of FP32 weights the
+    # staging buffer exists anyway and receives (see [Note: one staging buffer for the two
+    # halves] in shard.py).
     state.wait_for_room()
     buffer = bucket.buffer()
     wire = state.wire_dtype
@@ -290,7 +240,6 @@ def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradB
         state._buffers.clear()
         with state._lock:
             state._free.clear()
-            state._longest = 0
     where = masters.flat_positions()
     buffer = bucket.buffer()
     if buffer.is_sparse or any(id(p) not in where for p in params):

@@ -86,7 +86,7 @@ def _accounting(model: torch.nn.Module, opt: Any) -> dict[str, float]:
     for state in states:  # held by DDP's reducer: found through the garbage collector
         hooks += [*state._free, *state._lent.values(), state._scratch]
         if isinstance(state, ZeroState):
-            hooks += list(state._buffers.values())
+            hooks.append(state._sum)
     out["hook buffers"] = _bytes(hooks)
     return {k: v / MB for k, v in out.items()}
 

@@ -486,7 +486,7 @@ class ShardedMasterParams(ModelGrads):
         most N shards), so they share one buffer: a 16-bit copy of the model less per rank (31.9
         MB for the 16M-parameter GPT of benchmarks/compare.py). Without 16-bit updates there is
         no staging buffer: the hook's receive buffers come from its pool (see [Note: buffers
-        only in flight] in hooks/zero.py).
+        only in flight] in hooks/compress.py).
         """
         numel = 0
         for layout in self.groups:

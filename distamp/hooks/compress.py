@@ -113,8 +113,12 @@ class CompressState:
             while len(self._free) > 2 * MAX_IN_FLIGHT:
                 self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
-    def wait_for_room(self) -> None:
-        """See [Note: buffers only in flight]: until fewer than ``MAX_IN_FLIGHT`` buckets are."""
+    def wait_for_room(self, index: int) -> None:
+        """Bucket ``index``'s turn (see [Note: buffers only in flight]): wait until fewer than
+        ``MAX_IN_FLIGHT`` buckets are in flight. Bucket 0 starts a new backward: DDP waited for
+        every bucket of the last one."""
+        if index == 0:
+            self._in_flight.clear()
         while self._in_flight and (
             self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
         ):
@@ -198,16 +202,13 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    pooled = isinstance(state, CompressState) and buffer.dtype != wire
-    if pooled:
-        assert isinstance(state, CompressState)
-        if bucket.index() == 0:  # a new backward: DDP waited for every bucket of the last one
-            state._in_flight.clear()
-        state.wait_for_room()
-        out = state.take(buffer.numel(), wire, buffer.device)
-        with state._lock:
+    pool = state if isinstance(state, CompressState) and buffer.dtype != wire else None
+    if pool is not None:
+        pool.wait_for_room(bucket.index())
+        out = pool.take(buffer.numel(), wire, buffer.device)
+        with pool._lock:
             compressed = _divide_then_cast(
-                buffer, world, wire, out, scratch=state.scratch(buffer.device)
+                buffer, world, wire, out, scratch=pool.scratch(buffer.device)
             )
     else:
         compressed = _divide_then_cast(buffer, world, wire, None)
@@ -221,15 +222,13 @@ def _compress_hook(
             if reduced is not buffer:
                 buffer.copy_(reduced)
         finally:
-            if pooled:
-                assert isinstance(state, CompressState)
-                state.give(compressed)
+            if pool is not None:
+                pool.give(compressed)
         return buffer
 
     done = fut.then(decompress)
-    if pooled:
-        assert isinstance(state, CompressState)
-        state._in_flight.append(done)
+    if pool is not None:
+        pool._in_flight.append(done)
     return done
 
 

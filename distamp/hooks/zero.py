@@ -69,7 +69,8 @@ class ZeroState(CompressState):
     buckets_scattered: int = 0
     """Buckets reduce-scattered (the rest were all-reduced) since the hook was registered."""
     _plans: dict[int, _Plan] = field(default_factory=dict, repr=False)
-    _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _sum: torch.Tensor | None = field(default=None, repr=False)
+    """Where a piece's sum over more than two ranks goes: see :meth:`sum_buffer`."""
     _received: int = field(default=0, repr=False)
     """Elements of the masters' staging buffer the buckets of this backward received into."""
 
@@ -83,11 +84,9 @@ class ZeroState(CompressState):
     def sum_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Where a piece's sum over more than two ranks goes before it is copied into the shard
         gradient: one per state, as long as the longest piece (the caller holds ``_lock``)."""
-        buf = self._buffers.get((-1, "sum"))
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(max(numel, PIECE), dtype=dtype)
-            self._buffers[(-1, "sum")] = buf
-        return buf[:numel]
+        if self._sum is None or self._sum.numel() < numel or self._sum.dtype != dtype:
+            self._sum = torch.empty(max(numel, PIECE), dtype=dtype)
+        return self._sum[:numel]
 
 
 def zero_reduce_hook(
@@ -103,14 +102,13 @@ def zero_reduce_hook(
     idx = bucket.index()
     if idx == 0:  # DDP hands its buckets over in index order: a new backward
         state._received = 0
-        state._in_flight.clear()  # DDP waited for every bucket of the last one
     plan = _plan(state, masters, bucket)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
     # See [Note: buffers only in flight] in compress.py. With 16-bit updates of FP32 weights the
     # staging buffer exists anyway and receives (see [Note: one staging buffer for the two
     # halves] in shard.py).
-    state.wait_for_room()
+    state.wait_for_room(idx)
     buffer = bucket.buffer()
     wire = state.wire_dtype
     world, me = masters.world, masters.rank
@@ -130,12 +128,12 @@ def zero_reduce_hook(
         # This piece's receive buffer: this rank's own part first, then every other rank's in
         # rank order (the all-to-all's output, one contiguous stretch).
         mine = recv[received : received + n * world]
-        at_out = 0
+        others = [runs for rank, runs in enumerate(piece.sends) if rank != me]
         with state._lock:
             scratch = state.scratch(buffer.device)
-            for rank, runs in enumerate(piece.sends):
-                at = 0 if rank == me else at_out
-                target = mine if rank == me else out
+            # piece.sends[me] is piece.recv_runs: the own part, in the order every rank sends it
+            for runs, target in ((piece.recv_runs, mine), ([r for rs in others for r in rs], out)):
+                at = 0
                 for offset, count, _ in runs:
                     _divide_then_cast(
                         buffer[offset : offset + count],
@@ -146,8 +144,6 @@ def zero_reduce_hook(
                         scratch=scratch,
                     )
                     at += count
-                if rank != me:
-                    at_out = at
         work = dist.all_to_all_single(
             mine[n:],
             out,
@@ -237,7 +233,6 @@ def _plan(state: "ZeroState", masters: "ShardedMasterParams", bucket: dist.GradB
         # DDP rebuilt its buckets (once, after the first step): drop every plan and buffer of the
         # old layout, or the old buckets' buffers would stay allocated next to the new ones.
         state._plans.clear()
-        state._buffers.clear()
         with state._lock:
             state._free.clear()
     where = masters.flat_positions()

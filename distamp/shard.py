@@ -143,7 +143,6 @@ class _Group:
         ]
         """(param index, first, last + 1 element in the shard) of each slice, in shard order."""
         self.flat_half: torch.Tensor | None = None
-        self.send: torch.Tensor | None = None
         self.updates: torch.Tensor | None = None
         """With 16-bit updates of FP32 weights: every rank's updates of the last step, laid out
         like ``flat_half`` (this rank's own are written in place and gathered from there)."""
@@ -325,9 +324,6 @@ class ShardedMasterParams(ModelGrads):
                 view.copy_(p.data)
                 p.data = view
         layout.flat_half = flat
-        # FP32 weights are gathered straight from the shard; half ones from its cast copy.
-        if dtype != torch.float32:
-            layout.send = torch.empty(layout.shard_size, dtype=dtype, device=flat.device)
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -522,13 +518,18 @@ class ShardedMasterParams(ModelGrads):
                     )
                     send.copy_(difference)
                     target = layout.updates
+                elif layout.flat_half.dtype != torch.float32:
+                    # half weights: the shard cast straight into this rank's place in the model
+                    # (an in-place all-gather: no cast copy of the shard)
+                    mine = layout.flat_start(self.rank, j)
+                    send = layout.flat_half[mine : mine + length].copy_(shard[pos : pos + length])
+                    target = layout.flat_half
                 else:
                     send = shard[pos : pos + length]
-                    if layout.send is not None:  # half weights: gathered from the cast copy
-                        send = layout.send[pos : pos + length].copy_(send)
                     target = layout.flat_half
                 if self.process_group is None or self.world == 1:
-                    layout.flat_half[start : start + length].copy_(send)
+                    if send.data_ptr() != layout.flat_half[start:].data_ptr():
+                        layout.flat_half[start : start + length].copy_(send)
                     continue
                 self.pending[g].append(
                     dist.all_gather_single(

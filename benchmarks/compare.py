@@ -77,6 +77,7 @@ BF16_CONFIGS = [
     "distamp O2 replicated + hook",
     "distamp O2 sharded + reduce-scatter hook",
     "distamp O2 sharded + reduce-scatter hook + overlapped gather",
+    "distamp O2 FSDP2 (distamp.fsdp.fully_shard)",
     "floor: pure bf16, no communication",
     "floor: autocast bf16, no communication",
 ]
@@ -114,6 +115,12 @@ def _held(opt: Any) -> int:
     if inner is not opt and hasattr(opt, "optimizer"):
         for group in inner.param_groups:
             total += sum(p.numel() * p.element_size() for p in group["params"])
+    # FSDP2's sharded FP32 parameters are its masters (the only FP32 copy of the weights).
+    for group in inner.param_groups if inner is opt else ():
+        for p in group["params"]:
+            if hasattr(p, "to_local") and p.dtype == torch.float32:
+                local = p.to_local()
+                total += local.numel() * local.element_size()
     for per in inner.state.values():
         for v in per.values():
             if isinstance(v, torch.Tensor):
@@ -221,6 +228,14 @@ def setup(
             return loss.detach()
 
         return ds_step, opt, 2
+    if config.startswith("distamp O2 FSDP2"):
+        # distamp's ZeRO-3: FSDP2 with the opt_level as its policy (the transformer blocks and
+        # each FP32 norm layer its own unit), distamp's scaler and global skip.
+        opt = adamw(model.parameters())
+        model, opt = distamp.fsdp.fully_shard(
+            model, opt, opt_level="O2", half_dtype=dtype, verbosity=0
+        )
+        return distamp_step(model, opt), opt, 2
     if config.startswith("distamp"):
         level = config.split()[1]  # "distamp O2 sharded + reduce-scatter hook" -> "O2"
         opt = adamw(model.parameters())

@@ -675,9 +675,12 @@ def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (of a DTensor, FSDP2's, its local shard)."""
     total = 0
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+                to_local = getattr(value, "to_local", None)
+                local = to_local() if callable(to_local) else value
+                total += local.numel() * local.element_size()
     return total

@@ -71,6 +71,33 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
             assert 0 <= ph["busy"] <= 1.2, row
 
 
+ZERO3 = ["FSDP2 MixedPrecisionPolicy", "distamp O2 FSDP2 (distamp.fsdp.fully_shard)"]
+
+
+def test_quick_compare_trains_distamps_fsdp2_row_beside_torchs(tmp_path):
+    """The bf16-compute set's ZeRO-3 rows (tiny: bf16 matmul is slow on CPUs without bf16 units):
+    both train, and both count the same FP32 shards + AdamW state per rank (a DTensor's local
+    shard, not its global size)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "bf16"]
+    cmd += ["--out-dir", str(tmp_path), "--only", *ZERO3]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {
+        r["config"]: r for r in json.loads((tmp_path / "compare-w1-quick.json").read_text())["rows"]
+    }
+    assert list(rows) == ZERO3
+    for name, row in rows.items():
+        assert "skipped" not in row, (name, row)
+        assert row["median_s"] > 0 and row["final_loss"] < row["first_loss"], (name, row)
+        assert row["wire_mb"] > 0
+    # compare.py counts FSDP2's DTensors itself; distamp's row is distamp.stats.
+    torch_row, distamp_row = (rows[name] for name in ZERO3)
+    assert distamp_row["held_mb"] == pytest.approx(torch_row["held_mb"], rel=0.01)
+
+
 def test_phases_split_each_step_and_measure_the_link_against_its_rate():
     """benchmarks/phases.py: the marks its hooks take split each step into phases; bytes sent in
     each phase over what the link could send in it is how busy the link was."""

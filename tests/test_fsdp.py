@@ -106,6 +106,7 @@ def train(rank, world, mode, opt_level, half, steps, d=16, fused=False, inf_at=N
         "skipped": skipped_here,
         "scale": stats.loss_scales[0],
         "master_bytes": stats.master_bytes,
+        "state_bytes": stats.optimizer_state_bytes,
         "collectives": opt._distamp.group.found_inf_collectives,
     }
 
@@ -137,6 +138,10 @@ def test_fsdp2_matches_ddp_with_distamp(world, opt_level, half, d):
         # Each rank holds only its FP32 shard (FSDP's dim-0 shards, uneven rows rounded up).
         assert sum(r["master_bytes"] for r in fsdp) >= 4 * n
         assert max(r["master_bytes"] for r in fsdp) < 4 * n
+        # AdamW's two moments per shard element (and a step counter per parameter): the local
+        # shard's bytes, not the DTensor's global size.
+        for r in fsdp:
+            assert 2 * r["master_bytes"] <= r["state_bytes"] < 2 * r["master_bytes"] + 4 * 64
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "foreach-adamw"])

@@ -37,6 +37,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -304,10 +305,15 @@ def worker(
         # so work a configuration defers past step() (an all-gather still in flight, waited for
         # in the next forward) is counted in the step that waits for it. A barrier per step would
         # wait for that work outside the timed window.
+        profiler = None
+        if opts.get("profile") and rank == 0:  # torch.profiler over rank 0's timed steps
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         start = time.perf_counter()
         for i in range(opts["warmup"] + opts["steps"]):
             if i == opts["warmup"]:
                 dist.barrier()
+                if profiler is not None:
+                    profiler.start()
                 start = time.perf_counter()
             timed = i >= opts["warmup"]
             if phases is not None and timed:
@@ -326,6 +332,9 @@ def worker(
         if phases is not None:
             phases.stop()
             result["phases"] = phases.summary(opts.get("link_bits"))
+        if profiler is not None:
+            profiler.stop()
+            write_profile(profiler, Path(opts["profile"]), config, opts["steps"])
         result |= {
             "times": times,
             "first_loss": losses[0],
@@ -348,6 +357,26 @@ def worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def write_profile(profiler: Any, directory: Path, config: str, steps: int) -> None:
+    """``--profile``: rank 0's trace of the timed steps (chrome://tracing, Perfetto) and its ops
+    by self CPU time per step, distamp's waits for the wire included (the last round's stay)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / re.sub(r"[^A-Za-z0-9]+", "_", config).strip("_")
+    profiler.export_chrome_trace(f"{stem}.trace.json")
+    events = profiler.key_averages()
+    lines = [f"{config}: rank 0, {steps} timed steps; ms per step, by self CPU time", ""]
+    lines.append(f"{'op':<64} {'self ms':>9} {'total ms':>9} {'calls':>7}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]:
+        lines.append(
+            f"{e.key[:64]:<64} {e.self_cpu_time_total / 1e3 / steps:>9.2f} "
+            f"{e.cpu_time_total / 1e3 / steps:>9.2f} {e.count / steps:>7.1f}"
+        )
+    waits = [e for e in events if e.key.startswith("distamp: wait")]
+    lines += ["", "distamp's waits for the wire (ms per step):"]
+    lines += [f"  {e.key}: {e.cpu_time_total / 1e3 / steps:.1f}" for e in waits] or ["  none"]
+    Path(f"{stem}.txt").write_text("\n".join(lines) + "\n")
 
 
 def run_world(fn: Any, world: int, config: str, opts: dict[str, Any], prefix: str) -> Any:
@@ -591,6 +620,13 @@ def main() -> None:
         action="store_true",
         help="also time each step's phases on rank 0 and, with --nodes, how busy its link is",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write torch.profiler's trace and op table of rank 0's timed steps per row into this "
+        "directory (profiling slows the steps: the table's times are then not comparable)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per world")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank, under torchrun
@@ -629,6 +665,7 @@ def main() -> None:
         "data_mb": 0.5 if args.quick else 4.0,
         "timeout": args.timeout or (120.0 if args.quick else 900.0),
         "phases": args.phases,
+        "profile": str(args.profile.resolve()) if args.profile else None,
         "link_bits": link_bits,
     }
     runs: dict[str, list[Any]] = {c: [] for c in configs}

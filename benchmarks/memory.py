@@ -58,8 +58,12 @@ def _bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
-            storage = t.untyped_storage()
+        if not isinstance(t, torch.Tensor):
+            continue
+        to_local = getattr(t, "to_local", None)  # FSDP2's DTensors: the local shard
+        local = to_local() if callable(to_local) else t
+        storage = local.untyped_storage()
+        if local.numel() and storage.nbytes():  # FSDP2 frees unsharded storages (size 0)
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -133,6 +137,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--size", default="bench", choices=sorted(compare.SIZES))
     args = parser.parse_args()
+    unknown = [c for c in args.only if c not in compare.CONFIGS]
+    if unknown:
+        parser.error(
+            f"--only: unknown configuration(s) {unknown}; expected some of {compare.CONFIGS}"
+        )
     opts = {
         "lr": 1e-3,
         "adamw": "default",

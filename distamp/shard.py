@@ -561,7 +561,11 @@ class ShardedMasterParams(ModelGrads):
             return
         works = self.pending[g]
         for j in range(self.waited[g], min(rounds, len(works))):
-            works[j].wait()
+            if works[j].is_completed():
+                works[j].wait()
+            else:  # named for torch.profiler: the forward (or step) waits for the wire
+                with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
+                    works[j].wait()
             if self.pending_updates:
                 self._apply_updates(g, j)
             self.waited[g] = j + 1

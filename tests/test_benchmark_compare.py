@@ -125,3 +125,58 @@ def test_phases_split_each_step_and_measure_the_link_against_its_rate():
     assert s["forward_busy"] == pytest.approx(1.0) and s["other_busy"] == pytest.approx(1.0)
     assert s["backward_busy"] == pytest.approx(0.5) and s["step_busy"] == pytest.approx(0.5)
     assert s["sent_mb"] == pytest.approx(93.75) and s["busy"] == pytest.approx(0.75)
+
+
+def test_memory_table_accounts_for_what_each_row_holds():
+    """benchmarks/memory.py, tiny: every row lands with its accounting, and what distamp's sharded
+    O2 row holds per rank is the sharded layout (FP32 masters and shard gradients each half the
+    FP32 weights, AdamW state twice the masters)."""
+    rows = ["ZeroRedundancyOptimizer", "distamp O2 sharded + reduce-scatter hook"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--size", "tiny", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [*cmd, "--only", *rows], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    table = {
+        cells[0]: dict(zip(head, cells, strict=True))
+        for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
+    }
+    assert list(table) == rows
+    zero, sharded = (table[r] for r in rows)
+    fp32_weights = float(zero["weights"])
+    assert float(zero["optimizer state"]) == pytest.approx(fp32_weights, rel=0.05)  # 2 x 1/2
+    assert float(sharded["weights"]) == pytest.approx(fp32_weights / 2, rel=0.05)  # bf16
+    for column in ("FP32 masters (O2)", "FP32 shard gradients"):
+        assert float(sharded[column]) == pytest.approx(fp32_weights / 2, rel=0.05), column
+    assert float(sharded["optimizer state"]) == pytest.approx(fp32_weights, rel=0.05)
+    for row in table.values():
+        assert float(row["peak RSS"]) > float(row["before model"]) > 0
+
+
+def test_profile_writes_rank_0s_trace_and_op_table(tmp_path):
+    """--profile: per row, torch.profiler's chrome trace of rank 0's timed steps and its ops by
+    self CPU time per step, with distamp's named waits for the wire listed (or "none")."""
+    row = "distamp O0 sharded + reduce-scatter hook + overlapped bf16-update gather"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "fp32"]
+    cmd += ["--out-dir", str(tmp_path), "--profile", str(tmp_path / "prof"), "--only", row]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stem = (
+        tmp_path / "prof" / "distamp_O0_sharded_reduce_scatter_hook_overlapped_bf16_update_gather"
+    )
+    trace = json.loads(Path(f"{stem}.trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "Optimizer.step#AdamW.step" in names and "DistributedDataParallel.forward" in names
+    table = Path(f"{stem}.txt").read_text()
+    assert table.startswith(f"{row}: rank 0, 3 timed steps")
+    ops = {
+        line.split()[0]: float(line.split()[-3]) for line in table.splitlines() if "aten::" in line
+    }
+    assert ops["aten::mm"] > 0 and ops["aten::addmm"] > 0  # forward and backward matmuls
+    assert "distamp's waits for the wire (ms per step):" in table

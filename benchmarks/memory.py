@@ -75,6 +75,9 @@ def _accounting(model: torch.nn.Module, opt: Any) -> dict[str, float]:
         "gradients": _bytes(p.grad for p in params if p.grad is not None),
         "optimizer state": compare._held(opt),
     }
+    if any(hasattr(p, "to_local") for p in params):
+        # FSDP2: its FP32 shards are the weights here; compare._held counted them as masters too.
+        out["optimizer state"] -= out["weights"]
     masters = getattr(getattr(opt, "_distamp", None), "masters", None)
     if isinstance(masters, ShardedMasterParams):
         out["optimizer state"] -= masters.master_bytes()

@@ -23,29 +23,41 @@ def can_build_a_cluster() -> bool:
     return os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "tc", "nsenter"))
 
 
+def run_benchmark(script: str, *args: str, timeout: float) -> str:
+    """``python benchmarks/<script> <args>`` on one thread per rank; its stdout (it must succeed)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def assert_every_row_trained(rows: dict, configs: list[str]) -> None:
+    """Every configuration has its row, in order, and trained: its loss went down (DeepSpeed, an
+    optional extra, may be skipped for being absent)."""
+    assert list(rows) == configs
+    for name, row in rows.items():
+        if name.startswith("DeepSpeed") and "skipped" in row:
+            assert "deepspeed" in row["skipped"].lower()
+            continue
+        assert "skipped" not in row, (name, row)
+        assert row["median_s"] > 0 and row["final_loss"] < row["first_loss"], (name, row)
+
+
 def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts" / "system-deps.sh"), "iproute2"], check=False)
     cluster = can_build_a_cluster()
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "fp32"]
-    cmd += ["--out-dir", str(tmp_path), "--phases"]
+    args = ["--quick", "--compute", "fp32", "--out-dir", str(tmp_path), "--phases"]
     if cluster:
-        cmd += ["--nodes", "2", "--link", "1gbit"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        args += ["--nodes", "2", "--link", "1gbit"]
+    run_benchmark("compare.py", *args, timeout=600)
     stem = "compare-w1-2nodes-1gbit-quick" if cluster else "compare-w1-quick"
     summary = json.loads((tmp_path / f"{stem}.json").read_text())
     assert summary["compute"] == "fp32" and "GFLOP/s" in summary["why"]
     rows = {r["config"]: r for r in summary["rows"]}
-    assert list(rows) == FP32_CONFIGS
-    for name, row in rows.items():
-        if name.startswith("DeepSpeed") and "skipped" in row:
-            assert "deepspeed" in row["skipped"].lower()  # an optional extra
-            continue
-        assert "skipped" not in row, (name, row)
-        assert row["median_s"] > 0 and row["final_loss"] < row["first_loss"], (name, row)
+    assert_every_row_trained(rows, FP32_CONFIGS)
     # 16-bit rows put half the bytes of FP32 DDP on the wire.
     assert rows["distamp O0 + hook"]["wire_mb"] * 2 == rows["FP32 DDP"]["wire_mb"]
     # Sharded FP32 weights hold 12/N bytes per parameter of FP32 copies + AdamW state, not 8.
@@ -80,23 +92,13 @@ def test_quick_compare_trains_every_row_of_the_bf16_set(tmp_path):
     slow on CPUs without bf16 units): every row trains, and the ZeRO-3 rows, torch's FSDP2 and
     distamp's over it, count the same FP32 shards + AdamW state per rank (a DTensor's local
     shard, not its global size)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "bf16"]
-    cmd += ["--out-dir", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=900, stdin=subprocess.DEVNULL
+    run_benchmark(
+        "compare.py", "--quick", "--compute", "bf16", "--out-dir", str(tmp_path), timeout=900
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "compare-w1-quick.json").read_text())
     assert summary["compute"] == "bf16"
     rows = {r["config"]: r for r in summary["rows"]}
-    assert list(rows) == BF16_CONFIGS
-    for name, row in rows.items():
-        if name.startswith("DeepSpeed") and "skipped" in row:
-            assert "deepspeed" in row["skipped"].lower()  # an optional extra
-            continue
-        assert "skipped" not in row, (name, row)
-        assert row["median_s"] > 0 and row["final_loss"] < row["first_loss"], (name, row)
+    assert_every_row_trained(rows, BF16_CONFIGS)
     # compare.py counts FSDP2's DTensors itself; distamp's row is distamp.stats.
     torch_row, distamp_row = (rows[name] for name in ZERO3)
     assert distamp_row["held_mb"] == pytest.approx(torch_row["held_mb"], rel=0.01)
@@ -139,13 +141,8 @@ def test_memory_table_accounts_for_what_each_row_holds():
     O2 row holds per rank is the sharded layout (FP32 masters and shard gradients each half the
     FP32 weights, AdamW state twice the masters)."""
     rows = ["ZeroRedundancyOptimizer", "distamp O2 sharded + reduce-scatter hook"]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--size", "tiny", "--steps", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [*cmd, "--only", *rows], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    out = run_benchmark("memory.py", "--size", "tiny", "--steps", "2", "--only", *rows, timeout=300)
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     table = {
         cells[0]: dict(zip(head, cells, strict=True))
@@ -167,13 +164,10 @@ def test_profile_writes_rank_0s_trace_and_op_table(tmp_path):
     """--profile: per row, torch.profiler's chrome trace of rank 0's timed steps and its ops by
     self CPU time per step, with distamp's named waits for the wire listed (or "none")."""
     row = "distamp O0 sharded + reduce-scatter hook + overlapped bf16-update gather"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick", "--compute", "fp32"]
-    cmd += ["--out-dir", str(tmp_path), "--profile", str(tmp_path / "prof"), "--only", row]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
+    args = ["--quick", "--compute", "fp32", "--out-dir", str(tmp_path)]
+    run_benchmark(
+        "compare.py", *args, "--profile", str(tmp_path / "prof"), "--only", row, timeout=300
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stem = (
         tmp_path / "prof" / "distamp_O0_sharded_reduce_scatter_hook_overlapped_bf16_update_gather"
     )

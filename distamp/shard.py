@@ -502,34 +502,27 @@ class ShardedMasterParams(ModelGrads):
                 if layout.flat_half is None or j >= len(layout.rounds):
                     continue
                 pos, length = layout.rounds[j]
-                start = layout.flat_start(0, j)
+                start, mine = layout.flat_start(0, j), layout.flat_start(self.rank, j)
+                own = slice(mine, mine + length)  # this rank's place in the gather target
+                single = self.process_group is None or self.world == 1
+                # Each rank's part is written straight into its own place in the target and
+                # gathered from there (an in-place all-gather: no send buffer), except FP32
+                # weights gathered exactly, which are sent from the shard itself.
                 if self.pending_updates:
                     assert layout.updates is not None and layout.widened is not None
-                    mine = layout.flat_start(self.rank, j)
-                    # new - old in FP32, then rounded once to update_dtype: straight into this
-                    # rank's place in the gather target (an in-place all-gather: no send buffer),
-                    # through the reused FP32 round (no temporary per round)
-                    send = layout.updates[mine : mine + length]
+                    # new - old in FP32, then rounded once to update_dtype, through the reused
+                    # FP32 round (no temporary per round)
                     difference = layout.widened[:length]
-                    torch.sub(
-                        shard[pos : pos + length],
-                        layout.flat_half[mine : mine + length],
-                        out=difference,
-                    )
-                    send.copy_(difference)
-                    target = layout.updates
-                elif layout.flat_half.dtype != torch.float32:
-                    # half weights: the shard cast straight into this rank's place in the model
-                    # (an in-place all-gather: no cast copy of the shard)
-                    mine = layout.flat_start(self.rank, j)
-                    send = layout.flat_half[mine : mine + length].copy_(shard[pos : pos + length])
+                    torch.sub(shard[pos : pos + length], layout.flat_half[own], out=difference)
+                    send, target = layout.updates[own].copy_(difference), layout.updates
+                elif layout.flat_half.dtype != torch.float32:  # half weights: the cast shard
+                    send = layout.flat_half[own].copy_(shard[pos : pos + length])
                     target = layout.flat_half
                 else:
-                    send = shard[pos : pos + length]
-                    target = layout.flat_half
-                if self.process_group is None or self.world == 1:
-                    if send.data_ptr() != layout.flat_half[start:].data_ptr():
-                        layout.flat_half[start : start + length].copy_(send)
+                    send, target = shard[pos : pos + length], layout.flat_half
+                    if single:
+                        target[own].copy_(send)
+                if single:  # one rank: its round is all of the round, in place already
                     continue
                 self.pending[g].append(
                     dist.all_gather_single(
@@ -561,11 +554,9 @@ class ShardedMasterParams(ModelGrads):
             return
         works = self.pending[g]
         for j in range(self.waited[g], min(rounds, len(works))):
-            if works[j].is_completed():
+            # named for torch.profiler: the forward (or the step) waits for the wire here
+            with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
                 works[j].wait()
-            else:  # named for torch.profiler: the forward (or step) waits for the wire
-                with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
-                    works[j].wait()
             if self.pending_updates:
                 self._apply_updates(g, j)
             self.waited[g] = j + 1

@@ -122,13 +122,9 @@ class CompressState:
         while self._in_flight and (
             self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
         ):
-            oldest = self._in_flight.popleft()
-            if oldest.done():
-                oldest.wait()
-                continue
             # Backward stalls here while the wire lags (named for torch.profiler).
             with torch.autograd.profiler.record_function("distamp: wait for a bucket in flight"):
-                oldest.wait()  # releases the GIL: the callbacks run meanwhile
+                self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
 
     def scratch(self, device: torch.device) -> torch.Tensor:
         """The reusable FP32 stretch :func:`_divide_then_cast` divides into (one per state; the

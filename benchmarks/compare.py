@@ -106,7 +106,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _held(opt: Any) -> int:
     """Bytes of optimizer state (and distamp's FP32 masters) this rank holds."""
-    if isinstance(opt, distamp.optim.AmpOptimizer):
+    if isinstance(opt, distamp.masters.optimizer.AmpOptimizer):
         s = distamp.stats(opt)
         return s.master_bytes + s.optimizer_state_bytes
     # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim, DeepSpeed in .optimizer

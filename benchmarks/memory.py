@@ -39,7 +39,7 @@ import compare
 
 from distamp.hooks import CompressState
 from distamp.hooks.zero import ZeroState
-from distamp.shard import ShardedMasterParams
+from distamp.masters.sharded import ShardedMasterParams
 
 ROWS = [
     c

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .optim import AmpOptimizer, OptState, inner_optimizer
+from .masters.optimizer import AmpOptimizer, inner_optimizer
+from .optstate import OptState
 from .scaler import ScalerGroup
 from .wrap import scale_loss as _scale_loss
 from .wrap import unscale_, wrap

@@ -33,11 +33,12 @@ from torch import nn
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
-from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .collectives import all_reduce_, broadcast_from_rank0_, check_same_on_all_ranks
 from .config import HALF_DTYPES, Properties, resolve_properties
-from .nonfinite import check_and_unscale_
-from .optim import AmpOptimizer, AmpOptimizerState, ModelGrads
+from .masters.base import ModelGrads
+from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
+from .masters.nonfinite import check_and_unscale_
+from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .scaler import ScalerGroup
 
 BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
@@ -50,7 +51,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPParams(ModelGrads):
-    """FSDP's sharded parameters as their own masters (the MasterWeights interface of optim.py)."""
+    """FSDP's sharded parameters as their own masters (the MasterWeights interface of masters/base.py)."""
 
     sharded = True
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .nonfinite import check_and_unscale_
+from .masters.nonfinite import check_and_unscale_
 from .scaler import LossScaler
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .config import Properties
-    from .optim import AmpOptimizerState
+    from .masters.optimizer import AmpOptimizerState
 
 logger = logging.getLogger("distamp")
 

@@ -24,19 +24,19 @@ from .config import (
     resolve_properties,
 )
 from .forensics import NonFiniteReport
-from .optim import (
+from .masters.base import MasterWeights
+from .masters.optimizer import (
     AmpOptimizer,
     AmpOptimizerState,
     AmpOptimizerWrapper,
-    MasterParams,
-    MasterWeights,
-    OptState,
     amp_optimizer_class,
     inner_optimizer,
     unscale_now,
 )
+from .masters.replicated import MasterParams
+from .masters.sharded import ShardedMasterParams
+from .optstate import OptState
 from .scaler import ScalerGroup
-from .shard import ShardedMasterParams
 
 """Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
 

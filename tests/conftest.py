@@ -15,7 +15,7 @@ from dist_harness import SHARD_BLOCK_ENV  # noqa: E402
 def shard_block(request, monkeypatch):
     """Indirect parameter: elements per block of sharded masters in the ranks ``run_ranks``
     spawns (None: distamp's own). A few elements give tiny test models many rounds of blocks
-    (see [Note: block-cyclic shards] in distamp/shard.py)."""
+    (see [Note: block-cyclic shards] in distamp/masters/layout.py)."""
     block = getattr(request, "param", None)
     if block is not None:
         monkeypatch.setenv(SHARD_BLOCK_ENV, str(block))

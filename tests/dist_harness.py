@@ -49,10 +49,10 @@ def _entry(
     block = os.environ.get(SHARD_BLOCK_ENV)
     if block:
         # Smaller blocks of sharded masters, so that tiny test models have several rounds of
-        # them (see [Note: block-cyclic shards] in distamp/shard.py); set by ``small_blocks``.
-        import distamp.shard
+        # them (see [Note: block-cyclic shards] in distamp/masters/layout.py); set by ``small_blocks``.
+        import distamp.masters.sharded
 
-        distamp.shard.BLOCK = int(block)
+        distamp.masters.sharded.BLOCK = int(block)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         dist.init_process_group(

@@ -1,6 +1,6 @@
 """torch.amp's clipping habit under every opt_level: ``distamp.unscale_(opt);
 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); opt.step()`` clips what the
-optimizer steps (see [Note: unscale_ then torch's clip_grad_norm_] in distamp/optim.py).
+optimizer steps (see [Note: unscale_ then torch's clip_grad_norm_] in distamp/masters/base.py).
 
 Two probes start at zero (loss = (a * g).sum() + (ln.weight * h).sum(), the LayerNorm weight
 stays FP32 under O2): after one SGD(lr=1) step each weight is minus its clipped gradient, so

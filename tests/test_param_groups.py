@@ -214,7 +214,7 @@ def test_a_parameter_frozen_at_wrap_trains_with_an_fp32_master_once_unfrozen(sha
 
 
 def _adagrad(rank, world, shard):
-    # more than two of distamp.shard.CHUNK elements: the shard is stepped in several slices
+    # more than two of distamp.masters.layout.BLOCK elements: the shard is stepped in several slices
     model = GradProbe(2**19 + 5)
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1, lr_decay=0.5)  # state made here
     model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)

@@ -1,6 +1,6 @@
 """Block-cyclic shards: every element has one owner, and every bucket is split among all ranks.
 
-See [Note: block-cyclic shards] in distamp/shard.py. Contiguous ZeRO-1 shards give each DDP
+See [Note: block-cyclic shards] in distamp/masters/layout.py. Contiguous ZeRO-1 shards give each DDP
 bucket to one rank, so its reduce-scatter runs one way over each link; these tests pin down the
 layout that makes it run both ways, and that the checkpoint's canonical pieces still cover it.
 """
@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
-from distamp import shard
-from distamp.shard import _Group
+from distamp.masters import layout
+from distamp.masters.layout import GroupLayout
 
 pytestmark = pytest.mark.xdist_group("multirank")
 
@@ -30,7 +30,7 @@ LAYOUTS = [
 
 def _owners(sizes, world, block):
     params = [nn.Parameter(torch.zeros(n)) for n in sizes]
-    groups = [_Group(params, 0, world, r, block) for r in range(world)]
+    groups = [GroupLayout(params, 0, world, r, block) for r in range(world)]
     owner: list[tuple[int, int] | None] = [None] * groups[0].padded
     for rank, g in enumerate(groups):
         for index, src, count, dst in g.pieces:
@@ -128,7 +128,7 @@ def test_each_bucket_is_reduce_scattered_to_every_rank():
     """With distamp's own block size and 1 MB buckets: every bucket of more than two blocks sends
     each rank about half of it, so both directions of the link carry gradients at once."""
     shares = run_ranks(_bucket_shares, 2)[0]
-    big = [s for s in shares if sum(s) > 2 * shard.BLOCK]
+    big = [s for s in shares if sum(s) > 2 * layout.BLOCK]
     assert big, shares
     for sent in big:
         assert min(sent) >= 0.3 * sum(sent), sent
@@ -158,4 +158,4 @@ def test_a_per_rank_optimizer_state_dict_of_another_block_size_is_refused(tmp_pa
     monkeypatch.delenv(SHARD_BLOCK_ENV)
     for rank, message in enumerate(run_ranks(_save_or_load_own_state, 2, path, True)):
         assert f"rank {rank}'s shard of the FP32 masters of 2 ranks in blocks of 4096" in message
-        assert f"in blocks of {shard.BLOCK}" in message
+        assert f"in blocks of {layout.BLOCK}" in message

@@ -1,7 +1,7 @@
 """ZeRO-1 for FP32 weights: O0/O1 wrapped with ``shard_master_weights=True``.
 
 Each rank holds the FP32 copy and the optimizer state of its shard of the weights and steps only
-that; the updated weights are all-gathered (see [Note: sharded FP32 weights] in distamp/shard.py).
+that; the updated weights are all-gathered (see [Note: sharded FP32 weights] in distamp/masters/sharded.py).
 Held against the unsharded run of the same opt_level (bit for bit: the same element-wise
 arithmetic), against the 16-bit all-reduce hook (bit for bit at 2 ranks), against a global skip
 on an inf on one rank only, and through checkpoints at other world sizes.

@@ -1,4 +1,4 @@
-"""The sharded step in rounds ([Note: the step in rounds], distamp/rounds.py): each round of blocks
+"""The sharded step in rounds ([Note: the step in rounds], distamp/masters/rounds.py): each round of blocks
 is stepped and its all-gather started before the next one. It must give what one step gives, bit
 for bit, with torch's step hooks firing once per step; other optimizer classes step at once."""
 
@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import distamp
-from distamp.rounds import round_step
+from distamp.masters.rounds import round_step
 
 STEPS = 6
 

@@ -19,8 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..config import disabled_properties
-from ..optim import OptState, inner_optimizer
-from ..shard import ShardedMasterParams, slice_state
+from ..masters.layout import slice_state
+from ..masters.optimizer import inner_optimizer
+from ..masters.sharded import ShardedMasterParams
+from ..optstate import OptState
 from . import files
 from .files import CheckpointError, agree
 from .state import (

@@ -7,7 +7,7 @@ state as it would be on one process, cut into pieces that DCP can reassemble at 
   tensors written once (DCP deduplicates replicated tensors across ranks).
 * ``optim.{o}.g{g}.master`` — the FP32 masters of param group ``g`` of optimizer ``o``: the
   parameters that have a separate master, flattened and concatenated in group order (the flat
-  layout of :mod:`distamp.shard`, without its padding). ``optim.{o}.g{g}.state.{k}`` is the
+  layout of :mod:`distamp.masters.layout`, without its padding). ``optim.{o}.g{g}.state.{k}`` is the
   element-wise optimizer state ``k`` (Adam's ``exp_avg``, ...) in the same layout.
   With more than one rank these are DTensors sharded on dim 0 in ``torch.chunk`` pieces — exactly
   the ZeRO-1 partition, so each rank writes only its own shard. Replicated masters are written the
@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import disabled_properties
-from ..optim import AmpOptimizer, AmpOptimizerState, MasterParams
-from ..shard import ShardedMasterParams
+from ..masters.optimizer import AmpOptimizer, AmpOptimizerState
+from ..masters.replicated import MasterParams
+from ..masters.sharded import ShardedMasterParams
 from .files import CheckpointError
 
 

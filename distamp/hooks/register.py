@@ -11,8 +11,8 @@ from torch import nn
 
 from ..collectives import backend_device
 from ..config import disabled_properties
-from ..optim import AmpOptimizer, inner_optimizer
-from ..shard import ShardedMasterParams
+from ..masters.optimizer import AmpOptimizer, inner_optimizer
+from ..masters.sharded import ShardedMasterParams
 from .compress import CompressState, bf16_compress_hook, fp16_compress_hook
 from .zero import ZeroState, zero_reduce_hook
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .compress import CompressState, _compress_hook, _divide_then_cast
 
 if TYPE_CHECKING:
-    from ..shard import ShardedMasterParams
+    from ..masters.sharded import ShardedMasterParams
 
 PIECE = 1 << 20
 """Elements of a bucket one all-to-all carries at most; several pieces are in flight at once
@@ -107,7 +107,7 @@ def zero_reduce_hook(
         return _compress_hook(state, bucket, state.wire_dtype)
     # See [Note: buffers only in flight] in compress.py. With 16-bit updates of FP32 weights the
     # staging buffer exists anyway and receives (see [Note: one staging buffer for the two
-    # halves] in shard.py).
+    # halves] in masters/gather.py).
     state.wait_for_room(idx)
     buffer = bucket.buffer()
     wire = state.wire_dtype

@@ -1,7 +1,7 @@
 """The sharded step in rounds: each round of blocks is stepped, then its all-gather starts at once.
 
 [Note: the step in rounds] With sharded masters the updated weights are all-gathered after the
-step, one round of blocks at a time (see [Note: block-cyclic shards] in shard.py). Stepping the
+step, one round of blocks at a time (see [Note: block-cyclic shards] in layout.py). Stepping the
 whole shard first leaves the wire idle for as long as the optimizer runs (AdamW over 8.4M FP32
 values: ~40 ms on one CPU core), and the next forward waits for the first blocks until then. So
 when the inner optimizer is one of torch's classes that step every parameter on its own,
@@ -28,7 +28,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 if TYPE_CHECKING:
-    from .shard import ShardedMasterParams
+    from .sharded import ShardedMasterParams
 
 PER_PARAMETER = (
     torch.optim.SGD,
@@ -53,7 +53,7 @@ def round_step(optimizer: torch.optim.Optimizer, masters: object) -> Callable[..
     world = getattr(masters, "world", 1)
     if rounds is None or world < 2 or rounds() < 2:
         return None
-    from .optim import AmpOptimizer
+    from .optimizer import AmpOptimizer
 
     mro = type(optimizer).__mro__
     if AmpOptimizer not in mro:

@@ -1,0 +1,163 @@
+"""What every kind of masters shares: the interface the step needs, the model side of the grads.
+
+:class:`MasterWeights` is what :class:`~distamp.masters.optimizer.AmpOptimizer` and the loss scaler
+call; :class:`ModelGrads` implements its model-side half (the model's ``.grad``: the non-finite
+check that only reads, zeroing, the unscaled view ``unscale_`` leaves for torch's clipping). The
+replicated masters (``replicated.py``), the sharded ones (``sharded.py``) and FSDP's
+(``distamp/fsdp.py``) build on it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .nonfinite import nonfinite_flag
+
+
+class MasterWeights(Protocol):
+    """What the optimizer and the scaler need from its masters, replicated or sharded."""
+
+    sharded: bool
+    model_params: list[nn.Parameter]
+
+    def after_cast(self) -> None: ...
+    def model_grads(self) -> list[torch.Tensor | None]: ...
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor: ...
+    def check(self) -> torch.Tensor: ...
+    def step_grads(self) -> list[torch.Tensor]: ...
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor: ...
+    def copy_to_model(self, *, after_step: bool = False) -> None: ...
+    def release_master_grads(self) -> None: ...
+    def zero_model_grads(self, set_to_none: bool) -> None: ...
+    def rescale_grads_(self, factor: float) -> None: ...
+    def master_bytes(self) -> int: ...
+    def master_tensors(self) -> list[torch.Tensor]: ...
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
+    def expose_unscaled(self, inv_scale: float) -> None: ...
+    def take_modified_model_grads(self) -> None: ...
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]: ...
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
+
+
+class ModelGrads:
+    """What replicated and sharded masters share: the model side of the gradients."""
+
+    model_params: list[nn.Parameter]
+
+    def release_master_grads(self) -> None:
+        raise NotImplementedError
+
+    def model_grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model_params]
+
+    def check(self) -> torch.Tensor:
+        """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
+        return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        for param in self.model_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+        self.release_master_grads()
+
+    def rescale_grads_(self, factor: float) -> None:
+        grads = [p.grad for p in self.model_params if p.grad is not None]
+        if grads and factor != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
+
+    def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
+        return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
+
+    # -- the model's gradients after unscale_ (torch.amp's clipping habit) -------------------------
+
+    def separate_params(self) -> list[nn.Parameter]:
+        """Model parameters whose gradient is copied into a separate FP32 master gradient."""
+        return []
+
+    def expose_unscaled(self, inv_scale: float) -> None:
+        """After a public ``unscale_``: the model's half gradients hold unscaled values too.
+
+        [Note: unscale_ then torch's clip_grad_norm_] torch.amp's habit is ``scaler.unscale_(opt);
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); scaler.step(opt)``. Under O2 the
+        optimizer steps FP32 master gradients, so clipping the model's ``.grad`` would do nothing
+        and measure a norm ``scale`` times too large. So ``unscale_`` unscales the model's half
+        gradients as well (a power-of-two multiply: exact in BF16; in FP16 values below its range
+        flush towards zero, as they would in torch.amp), records each one's version counter, and
+        ``step()`` (and ``distamp.clip_grad_norm_``) re-reads the master gradient of every
+        parameter whose ``.grad`` was modified, replaced or removed since. Untouched gradients keep
+        their exact FP32 master values. ``step()`` without ``unscale_`` never pays for this.
+        """
+        params = [p for p in self.separate_params() if p.grad is not None]
+        with torch.no_grad():
+            dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+            if dense and inv_scale != 1.0:
+                torch._foreach_mul_(dense, inv_scale)
+            for p in params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad.mul_(inv_scale)
+        self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
+
+    def take_modified_model_grads(self) -> None:
+        """See [Note: unscale_ then torch's clip_grad_norm_]: re-read modified model gradients."""
+        exposed = getattr(self, "exposed", None)
+        if not exposed:
+            return
+        self.exposed = {}
+        changed = [p for p in self.separate_params() if exposed.get(id(p)) != grad_version(p)]
+        if changed:
+            self.reload_master_grads(changed)
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        """Master gradients of ``params`` from their (already unscaled) model gradients."""
+        raise NotImplementedError
+
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps for a new param group of model ``params``."""
+        raise ValueError(
+            "optimizer.add_param_group: expected an optimizer wrapped by distamp.wrap; this one "
+            f"keeps its masters in {type(self).__name__}, which cannot add parameters after wrap"
+        )
+
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """A value loaded into ``param`` (``load_state_dict``) reaches its FP32 master, if any."""
+
+    def _device(self) -> torch.device:
+        for param in self.model_params:
+            return param.device
+        return torch.device("cpu")
+
+
+def grad_version(param: nn.Parameter) -> tuple[int, int] | None:
+    """Identity and version counter of ``param.grad`` (None when it has none)."""
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)
+
+
+def merge_loaded(master: torch.Tensor, value: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """The master after ``value`` was loaded into its half parameter.
+
+    [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
+    pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters
+    unrounded, or the next step writes the old weights back. But a state dict of this very model
+    holds only the half weights (or apex's FP32 copies of them), and loading it after the optimizer
+    (``optimizer.load_state_dict`` first, then ``model.load_state_dict``) must not round the exact
+    masters the optimizer just restored. So, element by element: a loaded value that equals the
+    master rounded to the half dtype is this model's own weight coming back and keeps the master;
+    any other value is new and replaces it exactly.
+    """
+    value = value.detach().reshape(master.shape)
+    own_weight = value == master.to(half).to(value.dtype)
+    return torch.where(own_weight, master, value.to(master.dtype))

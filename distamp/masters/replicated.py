@@ -1,0 +1,167 @@
+"""Replicated FP32 masters: every rank holds an FP32 copy of every half parameter (apex's O2).
+
+Used at one rank, and at more than one with ``shard_master_weights=False``; the sharded ones are in
+``sharded.py``. Parameters that are FP32 already (O0/O1, norm layers under O2) are their own
+masters: no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import HALF_DTYPES
+from .base import ModelGrads, merge_loaded
+from .clipping import scale_to_max_norm_
+from .nonfinite import check_and_unscale_
+
+
+class MasterParams(ModelGrads):
+    """The (model parameter, FP32 master) pairs of one optimizer, replicated on every rank.
+
+    A model parameter that stays FP32 (O0/O1, norm layers under O2) is its own master; only
+    parameters that are cast to a half dtype get a separate FP32 copy.
+    """
+
+    sharded = False
+
+    def __init__(self, model_params: list[nn.Parameter], masters: list[torch.Tensor]) -> None:
+        assert len(model_params) == len(masters)
+        self.model_params = model_params
+        self.masters = masters
+        self.separate = [m is not p for p, m in zip(model_params, masters, strict=True)]
+
+    @classmethod
+    def take(
+        cls, optimizer: torch.optim.Optimizer, cast_ids: set[int] | frozenset[int]
+    ) -> MasterParams:
+        """Replace the params in ``optimizer.param_groups`` that will be cast by FP32 copies.
+
+        Must run before the model is cast, so the masters hold the exact FP32 values.
+        """
+        model_params: list[nn.Parameter] = []
+        masters: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            new_params = []
+            for param in group["params"]:
+                # Frozen parameters in the optimizer get masters too: unfrozen later, they train
+                # from exact FP32 values (grad None means never stepped, as in torch).
+                if id(param) in cast_ids:
+                    master = param.detach().clone(memory_format=torch.preserve_format)
+                    master.requires_grad_(True)
+                    if param in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(param)
+                else:
+                    master = param
+                model_params.append(param)
+                masters.append(master)
+                new_params.append(master)
+            group["params"] = new_params
+        return cls(model_params, masters)
+
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        """Put ``grad * inv_scale`` in FP32 on the masters; return a 0/1 flag of non-finite grads."""
+        grads: list[torch.Tensor] = []
+        for param, master, separate in zip(
+            self.model_params, self.masters, self.separate, strict=True
+        ):
+            if param.grad is None:
+                if separate:
+                    master.grad = None
+                continue
+            if separate:
+                master.grad = param.grad.detach().to(torch.float32)
+            grads.append(master.grad if separate else param.grad)  # type: ignore[arg-type]
+        return check_and_unscale_(grads, inv_scale, self._device())
+
+    def after_cast(self) -> None:
+        """Nothing to do once the model is cast (the sharded version re-lays the weights out)."""
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The unscaled gradients the inner optimizer steps."""
+        grads = [
+            m.grad if s else p.grad
+            for p, m, s in zip(self.model_params, self.masters, self.separate, strict=True)
+        ]
+        return [g for g in grads if g is not None]
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip :meth:`step_grads` to ``max_norm``; no collective: the reduced gradients (and so
+        their norm) are identical on every rank."""
+        grads = self.step_grads()
+        if not grads:
+            return torch.tensor(0.0)
+        # torch's own norm, so a script clipping with torch.nn.utils.clip_grad_norm_ (apex's
+        # recipe, on amp.master_params) and one using distamp.clip_grad_norm_ agree bit for bit.
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        scale_to_max_norm_(grads, total, max_norm)
+        return total
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The tensors a state dict saves as masters (the separate FP32 copies)."""
+        return [m for m, s in zip(self.masters, self.separate, strict=True) if s]
+
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """See [Note: loading weights into the masters]."""
+        index = self._index().get(id(param))
+        if index is not None and self.separate[index]:
+            master = self.masters[index]
+            with torch.no_grad():
+                master.copy_(merge_loaded(master, value.to(master.device), param.dtype))
+
+    def _index(self) -> dict[int, int]:
+        """id(model parameter) -> its position (rebuilt when a group is added)."""
+        cached: dict[int, int] | None = getattr(self, "_position", None)
+        if cached is None or len(cached) != len(self.model_params):
+            cached = {id(p): i for i, p in enumerate(self.model_params)}
+            self._position = cached
+        return cached
+
+    def separate_params(self) -> list[nn.Parameter]:
+        return [p for p, s in zip(self.model_params, self.separate, strict=True) if s]
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        index = self._index()
+        for param in params:
+            master = self.masters[index[id(param)]]
+            master.grad = None if param.grad is None else param.grad.detach().to(torch.float32)
+
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
+        """Masters for a param group added after wrap: FP32 copies of the half parameters
+        (``fp32_masters=False``, O3: none, the half parameters are stepped themselves)."""
+        out: list[torch.Tensor] = []
+        for param in params:
+            master: torch.Tensor = param
+            if fp32_masters and param.dtype in HALF_DTYPES:
+                master = param.detach().to(torch.float32)
+                master.requires_grad_(True)
+            self.model_params.append(param)
+            self.masters.append(master)
+            self.separate.append(master is not param)
+            out.append(master)
+        return out
+
+    def copy_to_model(self, *, after_step: bool = False) -> None:
+        """Refresh the half model weights from the masters after a step."""
+        pairs = [(p, m) for p, m, s in zip(*self.columns(), strict=True) if s]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def release_master_grads(self) -> None:
+        for master, separate in zip(self.masters, self.separate, strict=True):
+            if separate:
+                master.grad = None
+
+    def master_bytes(self) -> int:
+        return sum(
+            m.numel() * m.element_size()
+            for m, s in zip(self.masters, self.separate, strict=True)
+            if s
+        )
+
+    def columns(self) -> tuple[list[nn.Parameter], list[torch.Tensor], list[bool]]:
+        """(model params, masters, whether each master is a separate FP32 copy)."""
+        return self.model_params, self.masters, self.separate

@@ -1,0 +1,435 @@
+"""Sharded FP32 master weights (ZeRO stage 1): each rank holds and steps 1/N of the masters.
+
+[Note: flat padded shards] For each param group, the parameters that are cast to the half dtype
+are laid end to end in one flat buffer (in ``param_groups`` order, identical on every rank), padded
+to a multiple of the world size, and cut into N equal shards of S elements; a parameter may
+straddle shards (DeepSpeed/Megatron do the same). Which elements rank r owns is set by [Note:
+block-cyclic shards]: blocks of every stretch of the buffer, not one contiguous range, so every
+DDP bucket has a part on every rank. A rank holds the FP32 masters and the optimizer state of
+exactly what it owns, as one flat tensor per group, so any element-wise ``torch.optim`` optimizer
+(SGD, Adam/AdamW, Adagrad, RMSprop, ...) steps it unchanged and keeps its per-group
+lr/weight_decay. Parameters that stay FP32 (normalization layers under O2) are few and small: they
+stay whole and replicated, stepped identically on every rank. Frozen parameters
+(``requires_grad=False``) are left out.
+
+[Note: gradient path] Without a comm hook the gradients reach the shard through DDP's all-reduce
+and a local slice: it works with any DDP configuration. With ``distamp.hooks.register(...,
+reduce_scatter=True)`` the hook reduce-scatters each bucket straight into the owners' FP32 shard
+gradients (see [Note: reduce-scatter into the shards] in hooks/zero.py): Megatron's reduce-scatter
++ all-gather, the bytes of one all-reduce per step instead of 1.5x, built from gloo's all-to-all
+because gloo's own reduce_scatter is slower than its all-reduce (measured in
+benchmarks/sharded_optimizer.py). After the step, the updated shard is cast to the half dtype and
+one all-gather per block writes every rank's blocks into the model's weights, which are views into
+a flat half buffer, so nothing is copied after the gather; with ``overlap_gather=True`` the next
+forward waits for them module by module (see [Note: the gather overlaps the next forward]).
+
+[Note: sharded FP32 weights] O0 and O1 keep the model's weights FP32, so apex gives them no
+masters. ``shard_master_weights=True`` shards them anyway (ZeRO-1 for FP32 training, off unless
+asked for): the same layout and gradient path, with the FP32 weights themselves in the flat buffer
+(``flat_half`` is FP32 then). Each rank holds the FP32 copy and the optimizer state of its shard
+and steps only that (the optimizer's work and state are 1/N); the updated shard is all-gathered
+straight from the masters, exactly, so every rank holds the same FP32 weights. The gather moves
+FP32 — twice the bytes of a half one — so over a slow link this saves memory and optimizer time,
+not wire time; with a 16-bit reduce-scatter (``hooks.register(..., reduce_scatter=True)``) a step
+moves 1.5x the bytes of a 16-bit all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives import all_reduce_
+from ..config import HALF_DTYPES
+from .base import ModelGrads, grad_version, merge_loaded
+from .clipping import norm_part, scale_to_max_norm_, total_norm
+from .gather import WeightGather
+from .layout import BLOCK, GroupLayout, Interval, ParamRange, slice_state
+from .nonfinite import check_and_unscale_, nonfinite_flag
+
+
+class ShardedMasterParams(WeightGather, ModelGrads):
+    """The FP32 master shards of one optimizer; the interface of ``replicated.MasterParams``."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        replicated: list[nn.Parameter],
+        process_group: dist.ProcessGroup | None,
+        *,
+        fp32_weights: bool = False,
+    ) -> None:
+        self.fp32_weights = fp32_weights
+        """The model's weights are FP32 and are what is sharded (O0/O1, see [Note: sharded FP32
+        weights]); else they are half and the shards are their FP32 masters (O2)."""
+        self.groups: list[GroupLayout] = []
+        self.shards: list[torch.Tensor] = []
+        """Per group, this rank's flat FP32 masters (the chunks share their storage)."""
+        self.chunks: list[list[torch.Tensor]] = []
+        """Per group, the leaf tensors the inner optimizer steps: slices of the shard."""
+        self.shard_grads: list[torch.Tensor | None] = []
+        self.replicated = replicated
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world = dist.get_world_size(process_group) if process_group is not None else 1
+        self.model_params: list[nn.Parameter] = list(replicated)
+        self.grad_buffer: torch.Tensor | None = None
+        """With distamp's reduce-scatter hook: every group's FP32 shard gradient, one persistent
+        buffer (see [Note: reduce-scatter into the shards])."""
+        self.grad_offsets: list[int] = []
+        """Where each group's shard gradient starts in ``grad_buffer``."""
+        self.reduced: set[int] = set()
+        """ids of the parameters whose shard gradient the hook wrote since the last step."""
+        self.block = BLOCK
+        """Elements per block of every group's shard ([Note: block-cyclic shards])."""
+        self.overlap_gather = False
+        """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
+        the next forward]."""
+        self.update_dtype: torch.dtype | None = None
+        """Set by ``hooks.register(..., gather_dtype=torch.bfloat16)`` with FP32 weights: see
+        [Note: 16-bit updates of FP32 weights]."""
+        self.pending_updates = False
+        """The gathers in flight carry updates (added to the weights as each round arrives)."""
+        self.watched_groups = 0
+        """Groups whose modules wait in forward (a group added later is gathered at once)."""
+        self.pending: list[list[Any]] = []
+        """Per group, the all-gather works of the last step not waited for yet, one per round."""
+        self.waited: list[int] = []
+        """Per group, how many rounds of ``pending`` have been waited for."""
+        self.staging: torch.Tensor | None = None
+        """Bytes shared by the 16-bit updates and the reduce-scatter hook: see [Note: one staging
+        buffer for the two halves]."""
+        self.staging_hooks = 0
+        """Reduce-scatter hooks registered on these masters (the staging is shared with one)."""
+
+    @classmethod
+    def take(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        cast_ids: set[int] | frozenset[int],
+        process_group: dist.ProcessGroup | None,
+        *,
+        fp32_weights: bool = False,
+    ) -> ShardedMasterParams:
+        """Replace each group's cast parameters by this rank's flat FP32 shard of them.
+
+        Must run before the model is cast, so the masters hold the exact FP32 values. Frozen
+        parameters are sharded too (see ``MasterParams.take``); optimizer state that exists
+        already (Adagrad creates its sums in its constructor) is cut into the slices.
+        ``fp32_weights``: ``cast_ids`` are FP32 weights that stay FP32 (O0/O1).
+        """
+        out = cls([], process_group, fp32_weights=fp32_weights)
+        for param_group in optimizer.param_groups:
+            params = list(param_group["params"])
+            sharded = [p for p in params if id(p) in cast_ids]
+            kept = [p for p in params if id(p) not in cast_ids]
+            states = [optimizer.state.pop(p, {}) for p in sharded]
+            chunks = out._new_group(sharded, states, optimizer)
+            out.replicated += kept
+            param_group["params"] = [*chunks, *kept]
+        out.model_params = [p for g in out.groups for p in g.params] + out.replicated
+        return out
+
+    def _new_group(
+        self,
+        sharded: list[nn.Parameter],
+        states: list[dict[str, Any]],
+        optimizer: torch.optim.Optimizer | None,
+    ) -> list[torch.Tensor]:
+        """Lay ``sharded`` out as a new group; this rank's shard, its slices and their state."""
+        g = len(self.groups)
+        layout = GroupLayout(sharded, g, self.world, self.rank, self.block)
+        shard = torch.zeros(layout.shard_size, dtype=torch.float32, device=_device(sharded))
+        with torch.no_grad():
+            for index, src, count, dst in layout.pieces:
+                shard[dst : dst + count].copy_(
+                    sharded[index].detach().reshape(-1)[src : src + count]
+                )
+        chunks = [shard[a:b].detach().requires_grad_(True) for _, a, b in layout.spans]
+        for (index, a, b), chunk in zip(layout.spans, chunks, strict=True):
+            if optimizer is not None and states[index]:
+                optimizer.state[chunk] = slice_state(
+                    states[index], sharded[index], layout.param_offset(index, a), b - a, g
+                )
+        self.groups.append(layout)
+        self.shards.append(shard)
+        self.chunks.append(chunks)
+        self.shard_grads.append(None)
+        return chunks
+
+    def after_cast(self) -> None:
+        """Lay each group's half parameters out as views into one flat buffer (the gather target)."""
+        for layout in self.groups:
+            self._lay_out(layout)
+
+    def _lay_out(self, layout: GroupLayout) -> None:
+        if not layout.params or layout.flat_half is not None:
+            return
+        dtype = layout.params[0].dtype
+        flat = torch.zeros(layout.padded, dtype=dtype, device=layout.params[0].device)
+        with torch.no_grad():
+            for r, p in zip(layout.ranges, layout.params, strict=True):
+                view = flat[r.start : r.start + r.numel].view(r.shape)
+                view.copy_(p.data)
+                p.data = view
+        layout.flat_half = flat
+
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
+        """A param group added after wrap: its half parameters become a new sharded group (FP32
+        masters from their half values), the others are stepped whole on every rank."""
+        shardable = {torch.float32} if self.fp32_weights else HALF_DTYPES
+        fp32_masters = fp32_masters or self.fp32_weights
+        sharded = [p for p in params if fp32_masters and p.dtype in shardable]
+        kept = [p for p in params if not (fp32_masters and p.dtype in shardable)]
+        chunks = self._new_group(sharded, [{} for _ in sharded], None)
+        self._lay_out(self.groups[-1])
+        if self.grad_buffer is not None:  # the reduce-scatter hook writes the new group's too
+            self.armed_grad_buffer()
+        self.replicated += kept
+        self.model_params = [p for g in self.groups for p in g.params] + self.replicated
+        return [*chunks, *kept]
+
+    # -- what the step needs ---------------------------------------------------------------------
+
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        """Fill this rank's FP32 shard grads from the model grads, unscaled; flag non-finite ones.
+
+        The flag covers every gradient this rank holds, not only its shard: a non-finite value
+        written on one rank outside the range it owns must still skip the step everywhere (the
+        skip decision reduces the flags with MAX, see [Note: one decision for all ranks]). That
+        costs one read-only pass over the local half gradients. A slice whose parameter has no
+        gradient gets none (see [Note: chunked shards]).
+        """
+        grads: list[torch.Tensor] = []
+        for g, layout in enumerate(self.groups):
+            if layout.params:
+                grads.append(self._fill_shard_grad(g, layout.params))
+        grads += [p.grad for p in self.replicated if p.grad is not None]
+        flag = check_and_unscale_(grads, inv_scale, self._device())
+        outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
+        return torch.maximum(flag, nonfinite_flag(outside, self._device()))
+
+    def _fill_shard_grad(
+        self, g: int, params: list[nn.Parameter], *, keep_reduced: bool = True
+    ) -> torch.Tensor:
+        """Copy the gradients of ``params`` (of group ``g``) into the group's FP32 shard grad;
+        with ``keep_reduced``, not those the reduce-scatter hook wrote already."""
+        layout = self.groups[g]
+        flat_grad = self.shard_grads[g]
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(self.shards[g])
+            self.shard_grads[g] = flat_grad
+        wanted = {id(p) for p in params}
+        with torch.no_grad():
+            for index, src, count, dst in layout.pieces:
+                param = layout.params[index]
+                if id(param) not in wanted or (keep_reduced and id(param) in self.reduced):
+                    continue
+                grad = param.grad
+                if grad is None:
+                    flat_grad[dst : dst + count].zero_()
+                    continue
+                dense = grad.to_dense() if grad.is_sparse else grad
+                flat_grad[dst : dst + count].copy_(dense.reshape(-1)[src : src + count])
+        for (index, a, b), chunk in zip(layout.spans, self.chunks[g], strict=True):
+            param = layout.params[index]
+            if id(param) in wanted:
+                chunk.grad = None if param.grad is None else flat_grad[a:b]
+        return flat_grad
+
+    def separate_params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def reload_master_grads(self, params: list[nn.Parameter]) -> None:
+        for g, layout in enumerate(self.groups):
+            mine = [p for p in params if any(p is q for q in layout.params)]
+            if mine:
+                self._fill_shard_grad(g, mine, keep_reduced=False)
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The unscaled gradients the inner optimizer steps (this rank's part)."""
+        grads = [c.grad for chunks in self.chunks for c in chunks if c.grad is not None]
+        return grads + [p.grad for p in self.replicated if p.grad is not None]
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Collective: global norm over every rank's shard (replicated params counted once)."""
+        shard_grads = [c.grad for chunks in self.chunks for c in chunks if c.grad is not None]
+        replicated = [p.grad for p in self.replicated if p.grad is not None]
+        device = self._device()
+        inf_norm = math.isinf(norm_type)
+        counted = shard_grads + (replicated if self.rank == 0 else [])
+        local = norm_part(counted, norm_type, device)
+        op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+        all_reduce_(local, op, self.process_group)
+        total = total_norm(local, norm_type)
+        scale_to_max_norm_(shard_grads + replicated, total, max_norm)
+        return total
+
+    def release_master_grads(self) -> None:
+        for chunks in self.chunks:
+            for chunk in chunks:
+                chunk.grad = None
+        self.reduced = set()
+        if self.grad_buffer is None:
+            self.shard_grads = [None] * len(self.shards)
+
+    # -- distamp's reduce-scatter hook (distamp/hooks/zero.py) -----------------------------------
+
+    def flat_positions(self) -> dict[int, tuple[int, int]]:
+        """id(model parameter) -> (group, its first element in the group's flat layout)."""
+        return {
+            id(layout.params[r.index]): (r.group, r.start)
+            for layout in self.groups
+            for r in layout.ranges
+        }
+
+    def armed_grad_buffer(self) -> torch.Tensor:
+        """The persistent FP32 buffer that holds every group's shard gradient (made once, grown
+        when a group is added: the groups already there keep their offsets and what the hook
+        wrote; the groups' shard gradients become views into it)."""
+        total = sum(s.numel() for s in self.shards)
+        if self.grad_buffer is None or self.grad_buffer.numel() != total:
+            old = self.grad_buffer
+            self.grad_buffer = torch.zeros(total, dtype=torch.float32, device=self._device())
+            if old is not None:
+                self.grad_buffer[: old.numel()].copy_(old)
+            self.grad_offsets, offset = [], 0
+            for s in self.shards:
+                self.grad_offsets.append(offset)
+                offset += s.numel()
+            self.shard_grads = [
+                self.grad_buffer[o : o + s.numel()]
+                for o, s in zip(self.grad_offsets, self.shards, strict=True)
+            ]
+        return self.grad_buffer
+
+    def mark_reduced(self, param_ids: frozenset[int]) -> None:
+        """The hook wrote the reduced shard gradients of these parameters."""
+        self.reduced |= param_ids
+
+    def expose_unscaled(self, inv_scale: float) -> None:
+        """See [Note: unscale_ then torch's clip_grad_norm_]. Collective when the reduce-scatter
+        hook is in use: the model's ``.grad`` hold this rank's own gradients then, so the reduced,
+        unscaled shards are all-gathered into them (once per ``unscale_``, only when it is called)."""
+        # ``reduced`` is the same on every rank (DDP's buckets are), so all skip or all gather.
+        if not self.reduced or self.world == 1:
+            super().expose_unscaled(inv_scale)
+            return
+        with torch.no_grad():
+            for g, layout in enumerate(self.groups):
+                grad = self.shard_grads[g]
+                if not layout.params or layout.flat_half is None or grad is None:
+                    continue
+                full = torch.empty_like(layout.flat_half)
+                for work in self._gather(layout, grad.to(full.dtype), full):
+                    work.wait()
+                for r, p in zip(layout.ranges, layout.params, strict=True):
+                    if p.grad is None:
+                        continue
+                    if id(p) in self.reduced:
+                        p.grad.copy_(full[r.start : r.start + r.numel].view(r.shape))
+                    else:
+                        p.grad.mul_(inv_scale)
+        self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
+
+    def master_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.shards)
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The tensors a state dict saves as this rank's masters (the shards)."""
+        return list(self.shards)
+
+    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """This rank's piece of a value loaded into ``param``; see [Note: loading weights into
+        the masters]."""
+        flat_value = value.detach().reshape(-1)
+        with torch.no_grad():
+            for g, src, count, dst in self._pieces_of().get(id(param), []):
+                piece = self.shards[g][dst : dst + count]
+                loaded = flat_value[src : src + count].to(piece.device)
+                piece.copy_(merge_loaded(piece, loaded, param.dtype))
+
+    def _pieces_of(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """id(model parameter) -> (group, first element in it, count, first element in the
+        shard) of each piece this rank holds (rebuilt when a group is added)."""
+        cached: dict[int, list[tuple[int, int, int, int]]] | None = getattr(self, "_where", None)
+        if cached is None or getattr(self, "_where_groups", -1) != len(self.groups):
+            cached = {}
+            for g, layout in enumerate(self.groups):
+                for index, src, count, dst in layout.pieces:
+                    cached.setdefault(id(layout.params[index]), []).append((g, src, count, dst))
+            self._where, self._where_groups = cached, len(self.groups)
+        return cached
+
+    def layout(self) -> list[list[ParamRange]]:
+        """Per group, where each parameter lives in the flat buffer (what resharding needs)."""
+        return [list(g.ranges) for g in self.groups]
+
+    # -- the canonical checkpoint layout (distamp/checkpoint/state.py) ---------------------------
+
+    def to_canonical(self, g: int, local: torch.Tensor) -> torch.Tensor:
+        """Collective: ``local`` (a tensor laid out like group ``g``'s shard) in the contiguous
+        canonical layout: this rank's ``torch.chunk`` piece of the padded flat buffer (see [Note:
+        canonical checkpoint layout] and [Note: block-cyclic shards]). ``local`` itself with one
+        round."""
+        layout = self.groups[g]
+        if len(layout.rounds) == 1 or self.world == 1:
+            return local
+        sends = [layout.canonical_intervals(self.rank, q) for q in range(self.world)]
+        recvs = [layout.canonical_intervals(r, self.rank) for r in range(self.world)]
+        return self._exchange(local, sends, recvs)
+
+    def from_canonical(self, g: int, piece: torch.Tensor) -> torch.Tensor:
+        """Collective: the inverse of :meth:`to_canonical` (``piece`` holds ``shard_size``
+        elements of the canonical layout; returns a tensor laid out like the shard)."""
+        layout = self.groups[g]
+        if len(layout.rounds) == 1 or self.world == 1:
+            return piece
+        swap = [
+            [(b, n, a) for a, n, b in layout.canonical_intervals(r, self.rank)]
+            for r in range(self.world)
+        ]
+        recvs = [
+            [(b, n, a) for a, n, b in layout.canonical_intervals(self.rank, q)]
+            for q in range(self.world)
+        ]
+        return self._exchange(piece, swap, recvs)
+
+    def _exchange(
+        self, local: torch.Tensor, sends: list[list[Interval]], recvs: list[list[Interval]]
+    ) -> torch.Tensor:
+        """Collective: send ``local[src : src + n]`` to rank q for each (src, n, _) of
+        ``sends[q]``; returns a tensor like ``local`` with what rank r sent written at ``dst`` for
+        each (_, n, dst) of ``recvs[r]`` (both in the same order on the two sides; the rest is 0)."""
+        send = torch.cat([local[a : a + n] for runs in sends for a, n, _ in runs])
+        recv = torch.empty(
+            sum(n for runs in recvs for _, n, _ in runs), dtype=local.dtype, device=local.device
+        )
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[sum(n for _, n, _ in runs) for runs in recvs],
+            input_split_sizes=[sum(n for _, n, _ in runs) for runs in sends],
+            group=self.process_group,
+        )
+        out = torch.zeros_like(local)
+        at = 0
+        for runs in recvs:
+            for _, n, dst in runs:
+                out[dst : dst + n] = recv[at : at + n]
+                at += n
+        return out
+
+
+def _device(params: Sequence[nn.Parameter]) -> torch.device:
+    for p in params:
+        return p.device
+    return torch.device("cpu")

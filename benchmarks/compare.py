@@ -24,7 +24,9 @@ state (+ FP32 masters) per rank, gradient bytes each rank puts on the wire per s
 final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the "floor" row
 (each rank, no communication, forward+backward and the optimizer over 1/N of the parameters), the
 wire floor the bytes of a 16-bit ring all-reduce of the gradients over the link rate (emulated
-cluster only). ``--phases`` adds a second table: each step of rank 0 split into forward, backward,
+cluster only). On the emulated cluster two more rows measure what gloo and the link make of that
+floor: the bytes a 16-bit step moves, moved alone (no compute, no optimizer) — one all-reduce per
+DDP bucket, or distamp's all-to-all per bucket and all-gather per block. ``--phases`` adds a second table: each step of rank 0 split into forward, backward,
 step and the rest, and how busy the link is in each (benchmarks/phases.py). Results go to
 ``--out-dir`` as JSON and Markdown.
 """
@@ -65,6 +67,7 @@ from phases import markdown as phases_markdown
 
 import distamp
 import distamp.fsdp
+import distamp.masters.layout
 from distamp.doctor import matmul_gflops
 
 BF16_CONFIGS = [
@@ -95,7 +98,13 @@ FP32_CONFIGS = [
     "floor: FP32, no communication",
 ]
 """Where only FP32 compute is fast: mixed precision can still shrink the wire and the state."""
-CONFIGS = list(dict.fromkeys(BF16_CONFIGS + FP32_CONFIGS))
+WIRE_CONFIGS = [
+    "wire alone: 16-bit all-reduce per bucket",
+    "wire alone: 16-bit reduce-scatter per bucket + all-gather per block",
+]
+"""On the emulated cluster: the gradient bytes of a 16-bit row moved by gloo with nothing else
+running, as DDP's hooks move them or as distamp's sharded path does (see :func:`wire_alone`)."""
+CONFIGS = list(dict.fromkeys(BF16_CONFIGS + FP32_CONFIGS + WIRE_CONFIGS))
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,6 +115,8 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _held(opt: Any) -> int:
     """Bytes of optimizer state (and distamp's FP32 masters) this rank holds."""
+    if opt is None:  # a "wire alone" row
+        return 0
     if isinstance(opt, distamp.masters.optimizer.AmpOptimizer):
         s = distamp.stats(opt)
         return s.master_bytes + s.optimizer_state_bytes
@@ -255,6 +266,9 @@ def setup(
             gather_dtype=dtype if "bf16-update gather" in config else None,
         )
         return distamp_step(ddp, opt), opt, 2
+    if config.startswith("wire alone"):
+        n_params = sum(p.numel() for p in model.parameters())
+        return wire_alone(config, n_params, opts["bucket_mb"], device, world), None, 2
     if config.startswith("floor"):
         if "pure" in config:
             model.to(dtype)
@@ -262,6 +276,46 @@ def setup(
         opt = adamw(params[rank::world])
         return plain_step(model, opt, "autocast" in config), opt, 0
     raise ValueError(f"unknown configuration {config!r}")
+
+
+def wire_alone(
+    config: str, n_params: int, bucket_mb: float, device: torch.device, world: int
+) -> Step:
+    """A step that moves what a 16-bit data-parallel step of ``n_params`` gradients moves, and
+    nothing else: bf16 buckets of ``bucket_mb`` all in flight at once, each all-reduced (DDP with
+    a 16-bit hook) or all-to-all'ed so that every rank receives its 1/N (distamp's reduce-scatter
+    hook), then, for the latter, the all-gather of the updated weights in blocks of
+    ``distamp.masters.layout.BLOCK`` elements per rank. Returns a zero "loss"."""
+    bucket = max(world, int(bucket_mb * 2**20) // 2 // world * world)  # bf16 elements
+    shard = -(-n_params // world)
+    grads = torch.zeros(shard * world, dtype=torch.bfloat16, device=device)
+    received = torch.empty_like(grads)
+    weights = torch.empty_like(grads)
+    block = distamp.masters.layout.BLOCK
+    scatter = "reduce-scatter" in config
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        works = []
+        for at in range(0, grads.numel(), bucket):
+            piece = slice(at, min(at + bucket, grads.numel()))
+            if scatter:
+                works.append(dist.all_to_all_single(received[piece], grads[piece], async_op=True))
+            else:
+                works.append(dist.all_reduce(grads[piece], async_op=True))
+        for work in works:
+            work.wait()
+        if scatter:
+            works = [
+                dist.all_gather_single(
+                    weights[at * world : (at + n) * world], grads[at : at + n], async_op=True
+                )
+                for at, n in ((a, min(block, shard - a)) for a in range(0, shard, block))
+            ]
+            for work in works:
+                work.wait()
+        return torch.zeros(())
+
+    return step
 
 
 def worker(
@@ -298,7 +352,7 @@ def worker(
         data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
         times, losses = [], []
         phases = None
-        if opts.get("phases"):
+        if opts.get("phases") and opt is not None:
             phases = Phases(model, opt, os.environ.get("GLOO_SOCKET_IFNAME"))
         # [Note: steps timed back to back] One barrier before the timed steps, none between them:
         # a step's time runs from the end of the previous one to its own end (its batch included),
@@ -515,11 +569,13 @@ def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, float]) -
             continue
         speed = f"{base / r['median_s']:.2f}x" if base else "-"
         to_floor = f"{r['median_s'] / floor['floor_s']:.2f}x" if floor["floor_s"] else "-"
+        alone = r["config"].startswith("wire alone")  # no tokens, no loss
+        loss = "-" if alone else f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}"
+        rate = "- | -" if alone else f"{r['tokens_per_s']:.0f} | {r['peak_fraction']:.1%}"
         lines.append(
             f"| {r['config']} | {r['median_s']:.3f} | {r['spread_s']:.3f} | {speed} | {to_floor} | "
-            f"{r['tokens_per_s']:.0f} | {r['peak_fraction']:.1%} | {r['peak_rss_mb']:.0f} | "
-            f"{r['held_mb']:.1f} | {r['wire_mb']:.1f} | {r['first_loss']:.3f} -> "
-            f"{r['final_loss']:.3f} |"
+            f"{rate} | {r['peak_rss_mb']:.0f} | "
+            f"{r['held_mb']:.1f} | {r['wire_mb']:.1f} | {loss} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -647,7 +703,10 @@ def main() -> None:
     link_bits = rate_bits_per_s(args.link) if args.nodes else None
     torch.set_num_threads(args.threads)
     compute, why, peak = choose_compute(args.compute, 0.2 if args.quick else 1.0)
-    configs = args.only or (BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS)
+    configs = args.only or [
+        *(BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS),
+        *(WIRE_CONFIGS if args.nodes else []),
+    ]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")

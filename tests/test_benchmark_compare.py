@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import BF16_CONFIGS, FP32_CONFIGS  # noqa: E402
+from compare import BF16_CONFIGS, FP32_CONFIGS, WIRE_CONFIGS  # noqa: E402
 
 
 def can_build_a_cluster() -> bool:
@@ -36,9 +36,13 @@ def run_benchmark(script: str, *args: str, timeout: float) -> str:
 
 def assert_every_row_trained(rows: dict, configs: list[str]) -> None:
     """Every configuration has its row, in order, and trained: its loss went down (DeepSpeed, an
-    optional extra, may be skipped for being absent)."""
+    optional extra, may be skipped for being absent; a "wire alone" row trains nothing: it has a
+    time and the bytes of a 16-bit row)."""
     assert list(rows) == configs
     for name, row in rows.items():
+        if name in WIRE_CONFIGS:
+            assert row["median_s"] > 0 and row["wire_mb"] > 0 and row["held_mb"] == 0, row
+            continue
         if name.startswith("DeepSpeed") and "skipped" in row:
             assert "deepspeed" in row["skipped"].lower()
             continue
@@ -57,9 +61,13 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     summary = json.loads((tmp_path / f"{stem}.json").read_text())
     assert summary["compute"] == "fp32" and "GFLOP/s" in summary["why"]
     rows = {r["config"]: r for r in summary["rows"]}
-    assert_every_row_trained(rows, FP32_CONFIGS)
+    # On the emulated cluster, also the 16-bit rows' bytes moved alone (no compute).
+    configs = FP32_CONFIGS + (WIRE_CONFIGS if cluster else [])
+    assert_every_row_trained(rows, configs)
     # 16-bit rows put half the bytes of FP32 DDP on the wire.
     assert rows["distamp O0 + hook"]["wire_mb"] * 2 == rows["FP32 DDP"]["wire_mb"]
+    for name in WIRE_CONFIGS if cluster else []:
+        assert rows[name]["wire_mb"] == rows["distamp O0 + hook"]["wire_mb"], name
     # Sharded FP32 weights hold 12/N bytes per parameter of FP32 copies + AdamW state, not 8.
     for name in rows:
         if name.startswith("distamp O0 sharded"):
@@ -69,9 +77,9 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     assert (floor["wire_s"] > 0) is cluster
     table, phases_table = (tmp_path / f"{stem}.md").read_text().split("Where the time goes")
     assert "| configuration | median step s |" in table and "vs floor" in table
-    assert table.count("\n| ") == len(FP32_CONFIGS) + 1  # the header and one line per row
+    assert table.count("\n| ") == len(configs) + 1  # the header and one line per row
     # --phases: every row that trained split its steps into phases on rank 0.
-    timed = [r for r in rows.values() if "median_s" in r]
+    timed = [r for r in rows.values() if "median_s" in r and r["config"] not in WIRE_CONFIGS]
     assert phases_table.count("\n| ") == len(timed) + 1
     for row in timed:
         ph = row["phases"]

@@ -260,6 +260,13 @@ class PrecisionPlan:
     behaviour: masks such as Swin's ``attn_mask`` meet half activations there); ``wrap`` warns
     when such a cast changed a buffer's values. O3 (``keep_batchnorm_fp32=False``) casts
     everything.
+
+    One exception to the norm rule: the two norms of a ``nn.TransformerEncoderLayer`` are cast
+    with it. Its inference fast path (eval mode, no grad; ``nn.TransformerEncoder`` with a padding
+    mask turns the batch into a nested tensor for it) reads them straight from the layer into one
+    fused kernel together with the layer's linear weights, bypassing their forward, and that
+    kernel needs one dtype: with FP32 norms in a bf16 layer it raises "expected scalar type Float
+    but found BFloat16". Cast with the layer they are what apex's O2 makes of every LayerNorm.
     """
 
     half_dtype: torch.dtype | None
@@ -310,9 +317,17 @@ def plan_precision(
         inside.update(id(s) for s in module.modules())
 
     all_modules = [m for model in models for m in model.modules()]
+    fused = {  # read by the layer's fused inference kernel: one dtype with it (see the Note)
+        id(norm)
+        for m in all_modules
+        if isinstance(m, nn.TransformerEncoderLayer)
+        for norm in (m.norm1, m.norm2)
+    }
     if props.keep_batchnorm_fp32:
         for module in all_modules:  # pre-order: an outer match covers its subtree
-            if id(module) not in inside and (is_norm(module) or _is_buffer_holder(module)):
+            if id(module) in inside or id(module) in fused:
+                continue
+            if is_norm(module) or _is_buffer_holder(module):
                 keep(module)
     owners: dict[int, list[nn.Module]] = {}
     params: dict[int, torch.Tensor] = {}

@@ -191,3 +191,51 @@ def test_o2_models_written_by_users_train_close_to_fp32():
             opt.zero_grad()
         results[level] = loss.item()
     assert results["O2"] == pytest.approx(results["fp32"], rel=0.02)
+
+
+# -- torch modules whose fused inference path reads their norms --------------------------------
+
+
+class EncoderClassifier(nn.Module):
+    """A stock ``nn.TransformerEncoder`` (BERT-style: padding mask, final norm) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, pad=None):
+        return self.head(self.encoder(x, src_key_padding_mask=pad)[:, 0])
+
+
+def test_a_stock_transformer_encoder_evaluates_with_a_padding_mask_under_o2():
+    """In eval under no_grad, nn.TransformerEncoder with a padding mask runs its layers through
+    one fused kernel on nested tensors, norms included: they take the layer's dtype (used to
+    raise "expected scalar type Float but found BFloat16"). The final norm, outside that kernel,
+    stays FP32. Stated tolerance: the fused result equals the layer-by-layer one (grad enabled)
+    within bf16's rounding, 3e-2, on the rows the mask keeps."""
+    torch.manual_seed(0)
+    model, opt, _ = _wrap(EncoderClassifier())
+    layer = model.encoder.layers[0]
+    assert layer.norm1.weight.dtype == layer.linear1.weight.dtype == torch.bfloat16
+    assert model.encoder.norm.weight.dtype == torch.float32
+    x = torch.randn(2, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    model.eval()
+    with torch.no_grad():
+        fused = model(x, pad)
+    layered = model(x, pad).detach()  # grad enabled: no fast path
+    assert fused.dtype == torch.float32 and torch.isfinite(fused).all()
+    torch.testing.assert_close(fused, layered, atol=3e-2, rtol=3e-2)
+    model.train()  # and it still trains: the loss goes down
+    target = torch.tensor([0, 2])
+    losses = []
+    for _ in range(5):
+        loss = nn.functional.cross_entropy(model(x, pad), target)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]

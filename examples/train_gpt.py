@@ -420,7 +420,11 @@ def pick_opt_level(
     (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks."""
     if requested != "auto":
         return requested, ""
-    zero = "across ranks FP32 masters sharded, gradients reduce-scattered into the shards"
+    zero = (
+        "across ranks FP32 masters sharded, gradients reduce-scattered into the shards"
+        if world_size > 1
+        else "one rank: FP32 masters, nothing to shard"
+    )
     if device.type == "cuda":
         return "O2", f" (auto: GPU: half compute; {zero})"
     if half_dtype == "fp16":
@@ -714,7 +718,7 @@ def main() -> None:
         # An explicit O0 is the FP32 baseline (FP32 on the wire); auto's O0 keeps a 16-bit wire.
         # auto's O2 shards the masters across ranks: the reduce-scatter path is its fastest wire
         # (README, W2/W3: the bytes of one all-reduce, the weight gather overlapped).
-        auto_zero = "auto" in why and args.opt_level == "O2" and args.comm_hook
+        auto_zero = "auto" in why and args.opt_level == "O2" and args.comm_hook and world_size > 1
         if shard_fp32 and args.comm_hook:
             distamp.hooks.register(  # distamp: ZeRO's gradient path, 16-bit both ways
                 train_model,

@@ -197,6 +197,13 @@ def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_fi
     out = run(cmd, tmp_path)
     first = out.splitlines()[0]
     assert f"opt_level {level}{why}" in first, first
+    # One rank (NPROC=1 bash launch/run.sh): nothing to shard, and auto does not ask for it.
+    level, why = pick_opt_level("auto", torch.device("cpu"), "auto", 1)
+    assert "sharded" not in why and "reduce-scattered" not in why
+    cmd = [*torchrun(1), str(SCRIPT), *TINY[:-2], "--opt-level", "auto", "--steps", "2"]
+    out = run([*cmd, "--run-dir", str(tmp_path / "one")], tmp_path)
+    first = out.splitlines()[0]
+    assert f"opt_level {level}{why}" in first and "world size 1" in first, first
 
 
 def test_reduce_scatter_flag_trains_bit_for_bit_like_the_all_reduce_hook_and_resumes(tmp_path):

@@ -349,6 +349,52 @@ def test_reduce_scatter_without_sharded_masters_is_refused_on_every_rank():
         assert "reduce_scatter=True" in message and "not sharded" in message, message
 
 
+def _one_rank(rank: int, world: int, level: str, reduce_scatter: bool) -> dict:
+    """The README's N-rank recipe (reduce_scatter, overlap_gather; with FP32 weights sharded,
+    16-bit updates) run by torchrun --nproc_per_node=1; or the same with the all-reduce hook."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shard = {"shard_master_weights": True} if level == "O0" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **shard)
+    ddp = DDP(model, find_unused_parameters=True)
+    kwargs = {}
+    if reduce_scatter:
+        kwargs = {"reduce_scatter": True, "overlap_gather": True}
+        if level == "O0":
+            kwargs["gather_dtype"] = torch.bfloat16
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = distamp.hooks.register(ddp, opt, **kwargs)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "zero": isinstance(state, ZeroState),
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("level", ["O2", "O0"])
+def test_the_n_rank_recipe_runs_on_one_rank_with_the_all_reduce_hook(level):
+    """At one rank there is nothing to reduce-scatter or gather: register says so once and
+    registers the all-reduce hook; training is bit for bit the all-reduce hook's."""
+    recipe = run_ranks(_one_rank, 1, level, True)[0]
+    plain = run_ranks(_one_rank, 1, level, False)[0]
+    assert not recipe["zero"]
+    assert any("one rank" in w and "reduce_scatter=True" in w for w in recipe["warnings"])
+    assert not plain["warnings"]
+    for name, value in plain["weights"].items():
+        assert torch.equal(recipe["weights"][name], value), name
+
+
 def _default_keeps_ddp_gradients(rank: int, world: int) -> bool:
     torch.manual_seed(0)
     model = Net()

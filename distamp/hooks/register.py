@@ -35,7 +35,8 @@ def register(
     cannot reduce that dtype, falls back to FP32 with one warning.
 
     ``reduce_scatter=True`` (sharded masters only: O2 at more than one rank, or O0/O1 wrapped with
-    ``shard_master_weights=True``) reduce-scatters each
+    ``shard_master_weights=True``; at one rank it warns and registers the all-reduce hook, so a
+    script written for N ranks runs on one unchanged) reduce-scatters each
     bucket into the ranks' FP32 shard gradients instead of all-reducing it (see [Note:
     reduce-scatter into the shards]): with the all-gather of the updated weights, the bytes of one
     all-reduce per step instead of 1.5. The model's ``.grad`` then keep each rank's own gradients
@@ -91,6 +92,16 @@ def register(
             "(the gather it overlaps is the second half of the reduce-scatter path), found "
             "reduce_scatter=False"
         )
+    if reduce_scatter and dist.get_world_size(group) == 1:
+        # A script written for N ranks, run on one (torchrun --nproc_per_node=1): there is
+        # nothing to scatter or gather, and the all-reduce hook gives the same gradients.
+        warnings.warn(
+            "distamp.hooks.register(reduce_scatter=True): the DDP model's process group has one "
+            "rank, so there is nothing to reduce-scatter or gather; registered the all-reduce "
+            "hook instead (the same gradients)",
+            stacklevel=2,
+        )
+        reduce_scatter = overlap_gather = False
     if reduce_scatter and not (sharded and _same_group(sharded_over, group)):
         where = (
             "sharded over another process group than the DDP model's" if sharded else "not sharded"

@@ -2,8 +2,8 @@
 
 A script that changes only ``from apex import amp`` to ``from distamp import amp`` runs
 unchanged: ``amp.initialize``, ``amp.scale_loss``, ``amp.state_dict``/``amp.load_state_dict``,
-``amp.master_params``, the ``half_function``/``float_function``/``promote_function`` decorators
-and ``register_*_function``. Everything runs on :func:`distamp.wrap`, so it is correct across DDP
+``amp.master_params``, ``amp.disable_casts``, the ``half_function``/``float_function``/
+``promote_function`` decorators and ``register_*_function``. Everything runs on :func:`distamp.wrap`, so it is correct across DDP
 ranks (one skip decision for all) where apex was not.
 
 [Note: the apex registry] apex kept its loss scalers in a module-level ``_amp_state``, and
@@ -22,6 +22,7 @@ holds apex's own amp tests rewritten against this module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -247,6 +248,18 @@ def promote_function(fn: F) -> F:
     return _cast_call(fn, lambda _device, inputs: _widest(inputs))
 
 
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """apex's ``with amp.disable_casts():``: no automatic casting inside the block — O1's
+    autocast is off there on every device type it was on — so ops run in their inputs' dtypes,
+    as in apex."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def _register(module: Any, name: str, decorator: Callable[[F], F], what: str) -> None:
     module_name = getattr(module, "__name__", type(module).__name__)
     if module_name == "torch" or module_name.startswith("torch."):
@@ -308,6 +321,7 @@ class FP16_Optimizer:
 
 __all__ = [
     "FP16_Optimizer",
+    "disable_casts",
     "float_function",
     "half_function",
     "init",

@@ -326,6 +326,7 @@ class ScalerGroup:
         decided by another optimizer's step already.
         """
         assert st.grad_scale is not None
+        st.masters.check_views(self.param_names)  # before anything changes
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
         undecided = [b for b in st.backwards if b.overflow is None]
         st.decided_here = bool(undecided) or not st.backwards

@@ -147,6 +147,21 @@ def wrap(
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
     cast_ids = _master_ids(plan, props, opt_list)
+    _check_params_read_from_groups(opt_list, cast_ids, names)
+    if props.shard_master_weights:
+        strided = [
+            names[id(p)]
+            for m in model_list
+            for p in m.parameters()
+            if id(p) in cast_ids and not p.is_contiguous()
+        ]
+        if strided:
+            warnings.warn(
+                f"distamp.wrap: sharded masters keep the weights as contiguous views of one flat "
+                f"buffer, so {strided[:3]}{' and others' if len(strided) > 3 else ''} lose their "
+                "memory format (channels_last); shard_master_weights=False keeps it",
+                stacklevel=2,
+            )
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group, fp32_weights=not props.master_weights)
         if props.shard_master_weights
@@ -453,6 +468,59 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, 
                         f"optimizers[{seen[id(param)]}]: expected each parameter in one optimizer"
                     )
                 seen[id(param)] = i
+
+
+def _check_params_read_from_groups(
+    optimizers: list[torch.optim.Optimizer], cast_ids: frozenset[int], names: dict[int, str]
+) -> None:
+    """Refuse an optimizer that keeps the parameters getting masters somewhere besides its
+    ``param_groups`` (ZeroRedundancyOptimizer, an optimizer caching ``self._params``): distamp puts
+    the masters into ``param_groups`` in their place, so it would step the half weights, which
+    the masters then overwrite; nothing would train."""
+    if not cast_ids:
+        return
+    for i, opt in enumerate(optimizers):
+        where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+        for attr, value in vars(opt).items():
+            if attr in ("param_groups", "state", "defaults"):
+                continue
+            held = _a_param_in(value, cast_ids, depth=3)
+            if held is None:
+                continue
+            advice = (
+                "distamp shards the FP32 masters and the optimizer state itself "
+                "(shard_master_weights, on by default across ranks): pass the optimizer class "
+                "ZeroRedundancyOptimizer would build (torch.optim.AdamW(...)) instead"
+                if type(opt).__name__ == "ZeroRedundancyOptimizer"
+                else "use an optimizer that reads its parameters from param_groups at each step "
+                "(every torch.optim class does), or an opt_level without FP32 masters (O1)"
+            )
+            raise ValueError(
+                f"distamp.wrap: {where} ({type(opt).__name__}) keeps model parameter "
+                f"{names.get(held, '?')!r} in {attr!r} besides its param_groups; expected the "
+                "parameters in param_groups only: distamp puts FP32 masters there in their place, "
+                "so this optimizer would step the half weights and nothing would train; "
+                f"{advice}"
+            )
+
+
+def _a_param_in(value: Any, ids: frozenset[int], depth: int) -> int | None:
+    """The id of a tensor of ``ids`` held in ``value`` (containers and nested optimizers, down
+    to ``depth`` levels), or None."""
+    if isinstance(value, torch.Tensor):
+        return id(value) if id(value) in ids else None
+    if depth == 0:
+        return None
+    if isinstance(value, torch.optim.Optimizer):
+        value = [g["params"] for g in value.param_groups]
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            found = _a_param_in(item, ids, depth - 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _fingerprint(

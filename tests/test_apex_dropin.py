@@ -137,6 +137,34 @@ def test_function_decorators_under_o1():
         me.gelu_sum = original
 
 
+class PartlyFP32(nn.Module):
+    """apex's documented use of disable_casts: one computation inside forward kept out of O1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with amp.disable_casts():
+            exact = h.float() @ self.b.weight.t()
+        return h, exact
+
+
+def test_disable_casts_turns_o1s_casting_off_inside_the_block_only():
+    model = PartlyFP32()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    h, exact = model(torch.randn(2, 4))
+    assert h.dtype == torch.bfloat16 and exact.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with amp.disable_casts():
+            assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu")  # back on after the block
+    with amp.disable_casts():  # outside autocast: nothing to turn off
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
 def test_what_apex_had_that_no_longer_makes_sense_says_what_to_write():
     with pytest.raises(
         ValueError, match=r"never patches torch itself.*amp\.half_function\(torch\.einsum\)"

@@ -24,6 +24,26 @@ def plain():
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+class CachingSGD(torch.optim.Optimizer):
+    """A third-party optimizer written like torch's LBFGS: it steps the list it kept at
+    construction, not its param_groups."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        self._params = [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self._params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.defaults["lr"])
+
+
+def caching():
+    model = net()
+    return model, CachingSGD(model.parameters(), lr=0.1)
+
+
 def wrapped(**kwargs):
     model, opt = plain()
     kwargs.setdefault("opt_level", "O2")
@@ -37,6 +57,15 @@ def stepped(**kwargs):
     backward(model, opt)
     opt.step()
     opt.zero_grad()
+    return model, opt
+
+
+def relaid():
+    """Sharded masters after a step, then what model.to(memory_format=...) or any conversion
+    after wrap does to a parameter (the same values in new storage), then a backward."""
+    model, opt = stepped(shard_master_weights=True)
+    model[0].weight.data = model[0].weight.data.clone()
+    backward(model, opt)
     return model, opt
 
 
@@ -109,6 +138,21 @@ class Unwrappable(nn.Module):
 # (name, make the objects, the misuse, exception, what the message must say)
 MATRIX = [
     # -- wrap: wrong values and types
+    (
+        "O2 with an optimizer that steps its own list of parameters",
+        caching,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2"),
+        ValueError,
+        r"keeps model parameter '0\.weight' in '_params' besides its param_groups.*nothing would "
+        r"train",
+    ),
+    (
+        "a sharded half weight re-laid out after wrap",
+        relaid,
+        lambda m, o, t: o.step(),
+        ValueError,
+        r"'0\.weight'.*no longer a view of the flat buffer.*before distamp\.wrap",
+    ),
     (
         "opt_level '01'",
         plain,

@@ -204,3 +204,77 @@ def test_optimizers_from_different_wrap_calls_cannot_share_a_loss():
     with pytest.raises(ValueError, match="different distamp.wrap calls"):
         with distamp.scale_loss(loss, [o1, o2]):
             pass
+
+
+# -- optimizers and layouts that would silently stop the half weights from training -----------
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8 * 6 * 6, 2)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))
+
+
+def _zero_or_layout(rank, world, case):
+    import warnings
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    if case == "zero":
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2
+        )
+        before = snapshot(model, opt)
+        try:
+            distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        except ValueError as exc:
+            assert_unchanged(before, model, opt)
+            return str(exc)
+        return "accepted"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "channels_last before wrap":
+        model = model.to(memory_format=torch.channels_last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    if case == "channels_last after wrap":
+        model = model.to(memory_format=torch.channels_last)
+    ddp = DDP(model)
+    start = model.conv.weight.detach().clone()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(rank))
+    with distamp.scale_loss(ddp(x).float().square().mean(), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc)
+    moved = (model.conv.weight.float() - start.float()).abs().max().item()
+    return [str(w.message) for w in caught], moved
+
+
+def test_zero_redundancy_optimizer_under_o2_is_refused_before_anything_changes():
+    """ZeRO keeps its own list of parameters and shards them itself; under O2 it would step the
+    half weights, which distamp's masters then overwrite (the model did not train, silently)."""
+    for message in run_ranks(_zero_or_layout, 2, "zero"):
+        assert "ZeroRedundancyOptimizer" in message and "nothing would train" in message
+        assert "torch.optim.AdamW(...)" in message, message
+
+
+def test_a_weight_re_laid_out_after_wrap_is_refused_by_name_at_the_first_step():
+    """model.to(memory_format=channels_last) after wrap gives the conv weight new storage, which
+    the sharded masters' all-gather no longer writes: it used to stop training silently."""
+    for message in run_ranks(_zero_or_layout, 2, "channels_last after wrap"):
+        assert "'conv.weight'" in message and "before distamp.wrap" in message, message
+
+
+def test_channels_last_before_wrap_trains_and_the_lost_format_is_said():
+    for messages, moved in run_ranks(_zero_or_layout, 2, "channels_last before wrap"):
+        assert moved > 0
+        assert any("['conv.weight']" in m and "channels_last" in m for m in messages), messages

@@ -217,6 +217,31 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
 
+    def check_views(self, names: dict[int, str]) -> None:
+        """Every sharded weight must still be the view of its group's flat buffer that
+        :meth:`after_cast` made it, or the all-gather of the updated weights misses it and it
+        silently stops training. A conversion after ``wrap`` (``model.to(memory_format=...)``,
+        ``.to(dtype)``, an assignment to ``.data``) gives it new storage: refused, by name, before
+        the step changes anything."""
+        for layout in self.groups:
+            flat = layout.flat_half
+            if flat is None:
+                continue
+            base, size = flat.data_ptr(), flat.element_size()
+            for r, p in zip(layout.ranges, layout.params, strict=True):
+                same = p.data_ptr() == base + r.start * size and p.dtype == flat.dtype
+                if same and p.is_contiguous():
+                    continue
+                raise ValueError(
+                    f"parameter {names.get(id(p), '?')!r} ({tuple(p.shape)}, {p.dtype}) is no "
+                    "longer a view of the flat buffer the sharded masters all-gather the updated "
+                    "weights into: its storage was replaced after distamp.wrap (by "
+                    "model.to(memory_format=...), .to(dtype/device) or an assignment to .data), "
+                    "so it would stop training. Expected such conversions before distamp.wrap "
+                    "(sharded masters keep the weights contiguous, so a channels_last format is "
+                    "not kept), or shard_master_weights=False"
+                )
+
     def _fill_shard_grad(
         self, g: int, params: list[nn.Parameter], *, keep_reduced: bool = True
     ) -> torch.Tensor:

@@ -209,6 +209,7 @@ class EncoderClassifier(nn.Module):
         return self.head(self.encoder(x, src_key_padding_mask=pad)[:, 0])
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # torch's own
 def test_a_stock_transformer_encoder_evaluates_with_a_padding_mask_under_o2():
     """In eval under no_grad, nn.TransformerEncoder with a padding mask runs its layers through
     one fused kernel on nested tensors, norms included: they take the layer's dtype (used to

@@ -144,10 +144,10 @@ def wrap(
     facts.append(("keep_fp32_modules", str(sorted(_module_names(model_list, fp32_modules[0])))))
     facts.append(("FP32 modules", str(sorted(_module_names(model_list, list(plan.fp32_modules))))))
     check_same_on_all_ranks("distamp.wrap", facts, group)
+    cast_ids = _master_ids(plan, props, opt_list)
+    _check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
-    cast_ids = _master_ids(plan, props, opt_list)
-    _check_params_read_from_groups(opt_list, cast_ids, names)
     if props.shard_master_weights:
         strided = [
             names[id(p)]

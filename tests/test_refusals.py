@@ -225,7 +225,7 @@ def _zero_or_layout(rank, world, case):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
+    torch.manual_seed(rank if case == "zero" else 0)  # per-rank seeds: wrap's broadcast would show
     model = ConvNet()
     if case == "zero":
         opt = ZeroRedundancyOptimizer(

@@ -481,10 +481,13 @@ def _check_params_read_from_groups(
         return
     for i, opt in enumerate(optimizers):
         where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+        # A wrapper sharing its param_groups' dicts with an inner optimizer (timm's Lookahead)
+        # is fine: the masters reach the inner one through the same dicts.
+        shared = {id(opt.param_groups), *(id(g) for g in opt.param_groups)}
         for attr, value in vars(opt).items():
             if attr in ("param_groups", "state", "defaults"):
                 continue
-            held = _a_param_in(value, cast_ids, depth=3)
+            held = _a_param_in(value, cast_ids, shared, depth=3)
             if held is None:
                 continue
             advice = (
@@ -504,20 +507,20 @@ def _check_params_read_from_groups(
             )
 
 
-def _a_param_in(value: Any, ids: frozenset[int], depth: int) -> int | None:
+def _a_param_in(value: Any, ids: frozenset[int], shared: set[int], depth: int) -> int | None:
     """The id of a tensor of ``ids`` held in ``value`` (containers and nested optimizers, down
-    to ``depth`` levels), or None."""
+    to ``depth`` levels, except the containers in ``shared``), or None."""
     if isinstance(value, torch.Tensor):
         return id(value) if id(value) in ids else None
-    if depth == 0:
+    if depth == 0 or id(value) in shared:
         return None
     if isinstance(value, torch.optim.Optimizer):
-        value = [g["params"] for g in value.param_groups]
+        value = [g["params"] for g in value.param_groups if id(g) not in shared]
     if isinstance(value, dict):
         value = [*value.keys(), *value.values()]
     if isinstance(value, (list, tuple, set, frozenset)):
         for item in value:
-            found = _a_param_in(item, ids, depth - 1)
+            found = _a_param_in(item, ids, shared, depth - 1)
             if found is not None:
                 return found
     return None

@@ -118,3 +118,49 @@ def test_sharded_masters_refuse_a_wrapper_that_reads_per_parameter_gradients():
     for message in run_ranks(_sharded, 2):
         assert "TrustRatio wraps an optimizer" in message
         assert "shard_master_weights=False" in message
+
+
+class Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead, as users copy it: an Optimizer subclass around a base optimizer whose
+    param_groups it shares (the same dicts), with slow weights in its own state."""
+
+    def __init__(self, base: torch.optim.Optimizer, alpha: float = 0.5, k: int = 2) -> None:
+        self._base_optimizer = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = {}
+        self.alpha, self.k, self.steps = alpha, k, 0
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._base_optimizer.step()
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                slow = self.state.setdefault(p, {}).setdefault("slow", p.detach().clone())
+                if self.steps % self.k == 0:
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_wrapper_sharing_its_param_groups_with_the_base_optimizer_trains_under_o2(shard):
+    """Sharing the base optimizer's param_groups dicts is not keeping parameters elsewhere: the
+    masters reach the base through them (wrap must not refuse it), and the model trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    y = x.sum(dim=1, keepdim=True)
+    losses = []
+    for _ in range(8):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses

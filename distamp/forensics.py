@@ -19,6 +19,10 @@ class NonFiniteReport:
     """Qualified name of the parameter whose gradient was non-finite."""
     rank: int
     """Lowest rank of the process group on which that gradient was non-finite."""
+    on_every_rank: bool = False
+    """Every rank of the group held it non-finite: after DDP's all-reduce every rank holds the
+    reduced gradient, so the rank it came from cannot be told (distamp's reduce-scatter hook keeps
+    each rank's own gradient, which can)."""
     kind: str
     """"nan" if the gradient held a NaN, else "inf"."""
     loss_id: int | None = None
@@ -31,6 +35,11 @@ class NonFiniteReport:
             return (
                 f"the loss itself (loss_id {self.loss_id}) was {article} on rank {self.rank} — "
                 "not a gradient overflow: a smaller loss scale does not fix it"
+            )
+        if self.on_every_rank:
+            return (
+                f"parameter {self.param!r} had {article} gradient on every rank (after the "
+                "gradients' all-reduce every rank holds it: the rank it came from is not known)"
             )
         return f"parameter {self.param!r} had {article} gradient on rank {self.rank}"
 
@@ -68,11 +77,13 @@ def locate_nonfinite(
     best = int(table[:, 0].min())
     if best == _NOT_FOUND:
         return None
-    first_rank = int((table[:, 0] == best).nonzero()[0, 0])
+    holders = table[:, 0] == best
+    first_rank = int(holders.nonzero()[0, 0])
     return NonFiniteReport(
         param=named_grads[best][0],
         rank=first_rank,
         kind="nan" if int(table[first_rank, 1]) == 2 else "inf",
+        on_every_rank=world > 1 and bool(holders.all()),
     )
 
 

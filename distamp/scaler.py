@@ -351,6 +351,12 @@ class ScalerGroup:
         self, block: Backward, st: AmpOptimizerState, own: torch.Tensor
     ) -> torch.Tensor:
         flag = block.flag.to(own.device) if block.flag is not None else torch.zeros_like(own)
+        if block.loss_kind is not None:
+            # [Note: a non-finite loss skips] An inf/NaN loss skips the step even when its
+            # gradients came out finite: once the dynamic scale has backed off far enough, the
+            # scaled gradients of an inf loss underflow to exact zeros, which would "step" on
+            # nothing forever instead of reaching max_consecutive_skips and its error.
+            flag = torch.maximum(flag, (block.loss_kind > 0).to(flag.dtype).to(own.device))
         for user in block.users:
             # Non-finite values that appeared after the block ended (written by hand, or by a
             # collective) belong to every block of that optimizer.

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
@@ -46,6 +47,57 @@ def test_nan_in_the_loss_itself_is_reported_as_such_on_every_rank():
         assert "a smaller loss scale does not fix it" in str(loss_report)
         assert grad_report.loss_id is None and grad_report.rank == 0
         assert grad_report.param == "0.weight" and grad_report.kind == "inf"
+
+
+def test_an_inf_loss_with_finite_gradients_skips_and_ends_in_the_error():
+    """An inf loss whose gradients are finite (what an inf loss's gradients become once the
+    dynamic scale has backed off until they underflow to zeros, seen with fp16 O1) is skipped
+    like an overflow, so max_consecutive_skips ends it with the error naming the loss, instead
+    of steps on zero gradients forever."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, max_consecutive_skips=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = data(1, 4)[0]
+    with pytest.raises(distamp.NonFiniteGradientError, match="the loss itself .* an inf"):
+        for _ in range(3):
+            loss = F.mse_loss(model(x), y) + torch.tensor(float("inf"))  # d(inf const) = 0
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+    assert distamp.stats(opt).skipped_steps == 3
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)  # never stepped
+
+
+def nan_grad_on_rank_1(rank, world, reduce_scatter):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    if reduce_scatter:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    last = list(model.parameters())[-1]
+    if rank == 1:
+        last.register_hook(lambda g: g * float("nan"))  # before DDP reduces it
+    x, y = data(1, 4 * world)[0]
+    with distamp.scale_loss(F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4]), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return distamp.stats(opt).last_nonfinite
+
+
+def test_the_rank_a_nan_came_from_is_named_or_said_to_be_unknown():
+    """With the reduce-scatter hook each rank keeps its own gradient: rank 1 is named. Through
+    DDP's all-reduce every rank holds the NaN: the report says so instead of naming rank 0."""
+    for report in run_ranks(nan_grad_on_rank_1, 2, True):
+        assert report.rank == 1 and not report.on_every_rank
+        assert "gradient on rank 1" in str(report), str(report)
+    for report in run_ranks(nan_grad_on_rank_1, 2, False):
+        assert report.on_every_rank and report.kind == "nan"
+        assert "on every rank" in str(report) and "is not known" in str(report), str(report)
 
 
 def test_nan_loss_is_logged_at_once_on_rank_0(caplog):

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
+from .checks import check_models, check_optimizers, fingerprint
 from .collectives import all_reduce_, broadcast_from_rank0_, check_same_on_all_ranks
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
@@ -281,12 +282,10 @@ def fully_shard(
         **overrides,
     )
     props = dataclasses.replace(props, shard_master_weights=world > 1)
-    from .wrap import _check_models, _check_optimizers, _fingerprint
-
-    names = _check_models([model])
-    _check_optimizers([optimizer], names)
+    names = check_models([model])
+    check_optimizers([optimizer], names)
     check_same_on_all_ranks(
-        "distamp.fsdp.fully_shard", _fingerprint(props, [model], [optimizer]), group
+        "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )
     old_names = {id(p): n for n, p in model.named_parameters()}
     # FSDP shards each rank's own weights: rank 0's become everyone's first, as DDP would do.

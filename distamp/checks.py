@@ -1,0 +1,216 @@
+"""What ``wrap`` (and ``distamp.fsdp.fully_shard``) check before they change anything.
+
+Each check raises with what was expected, what was found, and the name of the model, parameter
+or optimizer at fault (see ../shared/STYLE.md), so a refused call leaves the model and the
+optimizer exactly as they were; ``fingerprint`` is what every rank compares before going on
+(see [Note: fail fast when ranks disagree] in collectives.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import casting
+from .config import Properties
+from .masters.optimizer import AmpOptimizer, inner_optimizer
+
+
+def as_list(value: Any, kind: type, name: str) -> tuple[list[Any], bool]:
+    label = f"{kind.__module__.replace('.modules.module', '').replace('.optimizer', '')}.{kind.__name__}"
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        for i, item in enumerate(items):
+            if not isinstance(item, kind):
+                raise TypeError(
+                    f"{name}[{i}]: expected a {kind.__name__}, got {type(item).__name__}"
+                )
+        if not items:
+            raise ValueError(f"{name}: expected at least one {label}, got an empty list")
+        if len({id(i) for i in items}) != len(items):
+            raise ValueError(f"{name}: the same {label} appears more than once in the list")
+        return items, True
+    raise TypeError(f"{name}: expected a {label} or a list of them, got {type(value).__name__}")
+
+
+def as_optimizer_list(value: Any) -> tuple[list[Any], bool]:
+    """``optimizers`` as a list: torch optimizers, or wrappers of one (apex's LARC, see [Note:
+    optimizer wrappers])."""
+    listed = isinstance(value, (list, tuple))
+    items = list(value) if listed else [value]
+    if listed and not items:
+        raise ValueError(
+            "optimizers: expected at least one torch.optim.Optimizer, got an empty list"
+        )
+    for i, item in enumerate(items):
+        if inner_optimizer(item) is None:
+            where = f"optimizers[{i}]" if listed else "optimizers"
+            raise TypeError(
+                f"{where}: expected a torch.optim.Optimizer (or a wrapper of one with an `optim` "
+                f"attribute, like apex's LARC), got {type(item).__name__}"
+            )
+    inner = [inner_optimizer(i) for i in items]
+    if len({id(i) for i in inner}) != len(inner):
+        raise ValueError("optimizers: the same torch.optim.Optimizer appears more than once")
+    return items, listed
+
+
+def same_shape(
+    models: list[Any], models_listed: bool, opts: list[Any], opts_listed: bool, no_opts: bool
+) -> Any:
+    out_models = models if models_listed else models[0]
+    if no_opts:
+        return out_models
+    return out_models, (opts if opts_listed else opts[0])
+
+
+def check_models(models: list[nn.Module]) -> dict[int, str]:
+    """Refuse models wrapped already, under DDP/FSDP, or holding half weights; return param names."""
+    names: dict[int, str] = {}
+    for i, model in enumerate(models):
+        where = "model" if len(models) == 1 else f"models[{i}]"
+        if casting.is_wrapped(model):
+            raise ValueError(f"{where} was already wrapped by distamp.wrap; wrap each model once")
+        wrapper = casting.data_parallel_wrapper_name(model)
+        if wrapper is not None and ("FSDP" in wrapper or wrapper.startswith("FullySharded")):
+            raise ValueError(
+                f"{where}: distamp.wrap must come before FSDP, but found {wrapper}; with FSDP use "
+                "`model, optimizer = distamp.fsdp.fully_shard(model, optimizer, opt_level=...)` "
+                "on the plain FP32 model (it applies FSDP with the opt_level's mixed-precision "
+                "policy and keeps FSDP's FP32 shards as the masters)"
+            )
+        if wrapper is not None:
+            raise ValueError(
+                f"{where}: distamp.wrap must be called before DistributedDataParallel/"
+                f"DataParallel/FSDP, but found {wrapper}; call distamp.wrap(model, optimizer) on "
+                "the plain model first, then wrap the result with DDP/FSDP"
+            )
+        floating = 0
+        for pname, param in model.named_parameters():
+            qualified = pname if len(models) == 1 else f"models[{i}].{pname}"
+            names.setdefault(id(param), qualified)
+            if not param.is_floating_point():
+                continue
+            floating += 1
+            if param.dtype != torch.float32:
+                raise ValueError(
+                    f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "
+                    "torch.float32: hand distamp.wrap an FP32 model (do not call .half() or "
+                    ".bfloat16() yourself); the opt_level decides what is cast"
+                )
+        if floating == 0:
+            raise ValueError(
+                f"{where} ({type(model).__name__}) has no floating-point parameters: expected a "
+                "model with trainable FP32 weights"
+            )
+    return names
+
+
+def check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> None:
+    seen: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+        if isinstance(opt, AmpOptimizer):
+            raise ValueError(
+                f"{where} was already wrapped by distamp.wrap; wrap each optimizer once"
+            )
+        for g, group in enumerate(opt.param_groups):
+            for k, param in enumerate(group["params"]):
+                if id(param) not in names:
+                    raise ValueError(
+                        f"{where}: param_groups[{g}]['params'][{k}] (shape {tuple(param.shape)}, "
+                        f"dtype {param.dtype}) is not a parameter of the model(s) passed to "
+                        "wrap: expected every optimized parameter to belong to a wrapped model"
+                    )
+                if id(param) in seen and seen[id(param)] != i:
+                    raise ValueError(
+                        f"{where}: parameter {names[id(param)]!r} is also held by "
+                        f"optimizers[{seen[id(param)]}]: expected each parameter in one optimizer"
+                    )
+                seen[id(param)] = i
+
+
+def check_params_read_from_groups(
+    optimizers: list[torch.optim.Optimizer], cast_ids: frozenset[int], names: dict[int, str]
+) -> None:
+    """Refuse an optimizer that keeps the parameters getting masters somewhere besides its
+    ``param_groups`` (ZeroRedundancyOptimizer, an optimizer caching ``self._params``): distamp puts
+    the masters into ``param_groups`` in their place, so it would step the half weights, which
+    the masters then overwrite; nothing would train."""
+    if not cast_ids:
+        return
+    for i, opt in enumerate(optimizers):
+        where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+        # A wrapper sharing its param_groups' dicts with an inner optimizer (timm's Lookahead)
+        # is fine: the masters reach the inner one through the same dicts.
+        shared = {id(opt.param_groups), *(id(g) for g in opt.param_groups)}
+        for attr, value in vars(opt).items():
+            if attr in ("param_groups", "state", "defaults"):
+                continue
+            held = _a_param_in(value, cast_ids, shared, depth=3)
+            if held is None:
+                continue
+            advice = (
+                "distamp shards the FP32 masters and the optimizer state itself "
+                "(shard_master_weights, on by default across ranks): pass the optimizer class "
+                "ZeroRedundancyOptimizer would build (torch.optim.AdamW(...)) instead"
+                if type(opt).__name__ == "ZeroRedundancyOptimizer"
+                else "use an optimizer that reads its parameters from param_groups at each step "
+                "(every torch.optim class does), or an opt_level without FP32 masters (O1)"
+            )
+            raise ValueError(
+                f"distamp.wrap: {where} ({type(opt).__name__}) keeps model parameter "
+                f"{names.get(held, '?')!r} in {attr!r} besides its param_groups; expected the "
+                "parameters in param_groups only: distamp puts FP32 masters there in their place, "
+                "so this optimizer would step the half weights and nothing would train; "
+                f"{advice}"
+            )
+
+
+def _a_param_in(value: Any, ids: frozenset[int], shared: set[int], depth: int) -> int | None:
+    """The id of a tensor of ``ids`` held in ``value`` (containers and nested optimizers, down
+    to ``depth`` levels, except the containers in ``shared``), or None."""
+    if isinstance(value, torch.Tensor):
+        return id(value) if id(value) in ids else None
+    if depth == 0 or id(value) in shared:
+        return None
+    if isinstance(value, torch.optim.Optimizer):
+        value = [g["params"] for g in value.param_groups if id(g) not in shared]
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            found = _a_param_in(item, ids, shared, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def fingerprint(
+    props: Properties, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> list[tuple[str, str]]:
+    """What must be equal on every rank, as (name, value) strings, in a fixed order."""
+    facts = [(f"property {k}", repr(v)) for k, v in props.as_plain_dict().items()]
+    facts.append(("number of models", str(len(models))))
+    for i, model in enumerate(models):
+        for name, param in model.named_parameters():
+            facts.append((f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}"))
+    for i, opt in enumerate(optimizers):
+        facts.append((f"optimizers[{i}] class", type(opt).__name__))
+        sizes = [len(g["params"]) for g in opt.param_groups]
+        facts.append((f"optimizers[{i}] param_groups sizes", str(sizes)))
+    return facts
+
+
+def module_names(models: list[nn.Module], modules: list[nn.Module]) -> list[str]:
+    wanted = {id(m) for m in modules}
+    return [
+        f"{i}:{name}"
+        for i, model in enumerate(models)
+        for name, m in model.named_modules()
+        if id(m) in wanted
+    ]

@@ -3,8 +3,9 @@
 ``python -m distamp.checkpoint inspect DIR`` / ``consolidate DIR OUT.pt`` are the command line.
 """
 
-from .api import consolidate, consolidate_optimizer_state, inspect, load_checkpoint, save_checkpoint
+from .api import load_checkpoint, save_checkpoint
 from .files import CheckpointError, latest_checkpoint
+from .offline import consolidate, consolidate_optimizer_state, inspect
 
 __all__ = [
     "CheckpointError",

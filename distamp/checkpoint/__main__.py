@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .api import consolidate, inspect
 from .files import CheckpointError
+from .offline import consolidate, inspect
 
 
 def _mb(n: int) -> str:

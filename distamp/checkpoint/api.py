@@ -6,10 +6,8 @@ See [Note: canonical checkpoint layout] (state.py) for what is stored and
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from ..masters.optimizer import inner_optimizer
 from ..masters.sharded import ShardedMasterParams
 from ..optstate import OptState
 from . import files
-from .files import CheckpointError, agree
+from .files import CheckpointError, PathLike, agree
 from .state import (
     FlatGroup,
     GroupView,
@@ -40,14 +38,11 @@ from .state import (
     live_state_dict,
     merge_flat_info,
     model_entry,
-    numel,
     optimizer_views,
     param_names,
     to_dtensor,
     unwrap_model,
 )
-
-PathLike = str | os.PathLike[str]
 
 COMPARED_PROPERTIES = (
     "opt_level",
@@ -155,7 +150,7 @@ def save_checkpoint(
         "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank), pg)
-    with _quiet_single_process(not target.distributed()):
+    with files.quiet_single_process(not target.distributed()):
         dcp.save(
             state_dict,
             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
@@ -179,15 +174,6 @@ def save_checkpoint(
 
     agree("save_checkpoint: committing", finish, pg)
     return str(directory)
-
-
-@contextlib.contextmanager
-def _quiet_single_process(single: bool) -> Any:
-    """DCP warns that it "assumes the intent" of a single process; here that is the intent."""
-    with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _prepare(directory: Path, rank: int) -> None:
@@ -246,7 +232,9 @@ def _collect(
                 merged = info[(o, g)]
                 for key, dtype in merged["dtypes"].items():
                     # zeros where no part of this rank's shard has that state yet
-                    local = canonical_piece(flat, tensors.get(key), _dtype(dtype), rank, world)
+                    local = canonical_piece(
+                        flat, tensors.get(key), files.manifest_dtype(dtype), rank, world
+                    )
                     sd[f"optim.{o}.g{g}.state.{key}"] = target.piece_tensor(local, flat.total)
                 flat_entry = {
                     "names": flat.names,
@@ -390,7 +378,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
         "load_checkpoint: preparing buffers", lambda: _destination(manifest, target), pg
     )
     try:
-        with _quiet_single_process(not target.distributed()):
+        with files.quiet_single_process(not target.distributed()):
             dcp.load(
                 dest,
                 storage_reader=dcp.FileSystemReader(directory),
@@ -514,13 +502,6 @@ def _converted(saved_group: dict[str, Any], gv: GroupView, view: OptimizerView) 
     return None
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
-    return dtype
-
-
 def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, Any], Any]:
     """Fresh buffers for everything this rank reads, and the function that installs them."""
     rank, world = target.rank, target.world
@@ -529,9 +510,9 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
         live = live_state_dict(model)
         for key, (shape, dtype) in entry["keys"].items():
             dest[f"model.{i}.{key}"] = (
-                torch.empty_like(live[key], dtype=_dtype(dtype))
+                torch.empty_like(live[key], dtype=files.manifest_dtype(dtype))
                 if is_dtensor(live[key])
-                else torch.empty(shape, dtype=_dtype(dtype))
+                else torch.empty(shape, dtype=files.manifest_dtype(dtype))
             )
     local_bufs: dict[str, torch.Tensor] = {}
     reshuffle: list[tuple[str, ShardedMasterParams, int]] = []
@@ -544,7 +525,9 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
             if how == "unflatten":  # each rank reads the flat state whole
                 for k, d in saved_group["flat"]["tensor_keys"].items():
                     total = saved_group["flat"]["total"]
-                    dest[f"optim.{o}.g{g}.state.{k}"] = torch.zeros(total, dtype=_dtype(d))
+                    dest[f"optim.{o}.g{g}.state.{k}"] = torch.zeros(
+                        total, dtype=files.manifest_dtype(d)
+                    )
             elif how == "flatten":  # each rank reads the state of every parameter it has part of
                 assert flat is not None and flat.sharded is not None
                 held = {index for index, *_ in flat.sharded.groups[flat.group].pieces}
@@ -553,12 +536,13 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                         continue
                     for k, d in entry["kept"][name]["tensor_keys"].items():
                         dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(
-                            shape, dtype=_dtype(d), device=_flat_device(flat)
+                            shape, dtype=files.manifest_dtype(d), device=_flat_device(flat)
                         )
             elif flat is not None:
                 saved_flat = saved_group["flat"]
                 keys = {"master": torch.float32} | {
-                    f"state.{k}": _dtype(d) for k, d in saved_flat["tensor_keys"].items()
+                    f"state.{k}": files.manifest_dtype(d)
+                    for k, d in saved_flat["tensor_keys"].items()
                 }
                 for key, dtype in keys.items():
                     name = f"optim.{o}.g{g}.{key}"
@@ -579,9 +563,11 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                     continue
                 for key, dtype in entry["kept"][name]["tensor_keys"].items():
                     dest[f"optim.{o}.p.{name}.{key}"] = (
-                        torch.empty_like(tensor, dtype=_dtype(dtype))
+                        torch.empty_like(tensor, dtype=files.manifest_dtype(dtype))
                         if is_dtensor(tensor)
-                        else torch.empty(tensor.shape, dtype=_dtype(dtype), device=tensor.device)
+                        else torch.empty(
+                            tensor.shape, dtype=files.manifest_dtype(dtype), device=tensor.device
+                        )
                     )
 
     def install(loaded: dict[str, Any]) -> None:
@@ -738,161 +724,3 @@ def _flatten_state(
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-# -- offline --------------------------------------------------------------------------------------
-
-
-def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
-    manifest = files.read_manifest(directory)
-    files.verify_share(directory, manifest["files"], 0, 1)
-    with _quiet_single_process(True):
-        dcp.load(dest, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
-
-
-def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:
-    """One FP32 state dict of model ``model_index`` from a checkpoint, without the ranks.
-
-    Parameters with FP32 masters get the master values (not the rounded half weights); other
-    floating-point entries are cast to FP32; integer buffers stay as they are. A plain, unwrapped
-    FP32 model loads it with ``load_state_dict``. Not a collective.
-    """
-    directory = Path(directory)
-    manifest = files.read_manifest(directory)
-    models = manifest["models"]
-    if not 0 <= model_index < len(models):
-        raise CheckpointError(
-            f"model_index: expected 0..{len(models) - 1} ({len(models)} model(s) saved), "
-            f"got {model_index}"
-        )
-    entry = models[model_index]
-    dest: dict[str, Any] = {
-        f"model.{model_index}.{k}": torch.empty(shape, dtype=_dtype(dtype))
-        for k, (shape, dtype) in entry["keys"].items()
-    }
-    where: dict[str, tuple[str, int, list[int]]] = {}
-    for o, opt in enumerate(manifest["optimizers"]):
-        for g, group in enumerate(opt["groups"]):
-            flat = group["flat"]
-            if flat is None:
-                continue
-            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
-            starts = flat_starts([tuple(s) for s in flat["shapes"]])
-            for name, start, shape in zip(flat["names"], starts, flat["shapes"], strict=True):
-                where[name] = (f"optim.{o}.g{g}.master", start, shape)
-    _read_offline(directory, dest)
-    out: dict[str, torch.Tensor] = {}
-    for key in entry["keys"]:
-        value = dest[f"model.{model_index}.{key}"]
-        canonical = entry["aliases"].get(key)
-        if canonical is not None and canonical in where:
-            flat_key, start, shape = where[canonical]
-            n = numel(shape)
-            out[key] = dest[flat_key][start : start + n].view(shape).clone()
-        elif value.is_floating_point():
-            out[key] = value.float()
-        else:
-            out[key] = value
-    return out
-
-
-def consolidate_optimizer_state(
-    directory: PathLike, optimizer_index: int = 0
-) -> dict[str, dict[str, Any]]:
-    """Optimizer ``optimizer_index``'s state per parameter name, full-sized, without the ranks.
-
-    ``{name: {"master": FP32 tensor (if separate), "exp_avg": ..., "step": ...}}`` — the same
-    whatever world size or sharding the checkpoint was written with. Not a collective.
-    """
-    directory = Path(directory)
-    manifest = files.read_manifest(directory)
-    opts = manifest["optimizers"]
-    if not 0 <= optimizer_index < len(opts):
-        raise CheckpointError(
-            f"optimizer_index: expected 0..{len(opts) - 1}, got {optimizer_index}"
-        )
-    entry, o = opts[optimizer_index], optimizer_index
-    dest: dict[str, Any] = {}
-    for g, group in enumerate(entry["groups"]):
-        flat = group["flat"]
-        if flat is not None:
-            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
-            for k, d in flat["tensor_keys"].items():
-                dest[f"optim.{o}.g{g}.state.{k}"] = torch.empty(flat["total"], dtype=_dtype(d))
-    for name, saved in entry["kept"].items():
-        for k, d in saved["tensor_keys"].items():
-            dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(saved["shape"], dtype=_dtype(d))
-    _read_offline(directory, dest)
-    out: dict[str, dict[str, Any]] = {}
-    for g, group in enumerate(entry["groups"]):
-        flat = group["flat"]
-        if flat is None:
-            continue
-        starts = flat_starts([tuple(s) for s in flat["shapes"]])
-        for i, (name, start, shape) in enumerate(
-            zip(flat["names"], starts, flat["shapes"], strict=True)
-        ):
-            n = numel(shape)
-            per: dict[str, Any] = {
-                "master": dest[f"optim.{o}.g{g}.master"][start : start + n].view(shape)
-            }
-            if flat["has_state"][i]:
-                for k in flat["tensor_keys"]:
-                    per[k] = dest[f"optim.{o}.g{g}.state.{k}"][start : start + n].view(shape)
-                for k, values in flat["scalars"].items():
-                    if values[i] is not None:
-                        per[k] = values[i]
-            out[name] = per
-    for name, saved in entry["kept"].items():
-        if not saved["has_state"]:
-            out[name] = {}
-            continue
-        per = {k: dest[f"optim.{o}.p.{name}.{k}"] for k in saved["tensor_keys"]}
-        per |= dict(saved["scalars"])
-        out[name] = per
-    return out
-
-
-def _sharding(props: dict[str, Any], world: int) -> str:
-    """What the saving run sharded, in words (the checkpoint loads either way)."""
-    if not props.get("shard_master_weights") or world == 1:
-        return "none (one copy of the optimizer state)"
-    what = "FP32 masters" if props.get("master_weights") else "FP32 weights"
-    return f"{what} and optimizer state over {world} ranks"
-
-
-def inspect(directory: PathLike) -> dict[str, Any]:
-    """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints)."""
-    directory = Path(directory)
-    manifest = files.read_manifest(directory)
-    props = manifest["properties"]
-    params = 0
-    for entry in manifest["models"]:
-        counted = set()
-        for key, canonical in entry["aliases"].items():
-            if canonical in counted:
-                continue
-            counted.add(canonical)
-            params += numel(entry["keys"][key][0])
-    sizes = {name: size for name, (size, _) in manifest["files"].items()}
-    return {
-        "directory": str(directory),
-        "step": manifest["step"],
-        "world_size": manifest["world_size"],
-        "opt_level": props.get("opt_level"),
-        "half_dtype": props.get("cast_model_type") if props.get("master_weights") else None,
-        "sharding": _sharding(props, manifest["world_size"]),
-        "properties": props,
-        "parameters": params,
-        "optimizers": [
-            {"class": o["class"], "steps": o["steps"], "skipped_steps": o["skipped_steps"]}
-            for o in manifest["optimizers"]
-        ],
-        "loss_scales": [s["scale"] for s in manifest["scalers"]],
-        "bytes_on_disk": sum(sizes.values())
-        + (directory / files.MANIFEST).stat().st_size
-        + (directory / files.COMMIT).stat().st_size,
-        "files": sizes,
-        "distamp_version": manifest.get("distamp_version"),
-        "torch_version": manifest.get("torch_version"),
-    }

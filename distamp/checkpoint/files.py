@@ -16,15 +16,20 @@ them. That catches truncation and flipped bytes with a message naming the file, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+PathLike = str | os.PathLike[str]
+"""A checkpoint directory, as a string or a path."""
 
 FORMAT = "distamp.checkpoint/1"
 MANIFEST = "distamp.pt"
@@ -206,3 +211,19 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         if best is None or key > best:
             best = key
     return best[2] if best is not None else None
+
+
+@contextlib.contextmanager
+def quiet_single_process(single: bool) -> Any:
+    """DCP warns that it "assumes the intent" of a single process; here that is the intent."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def manifest_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dtype

@@ -1,0 +1,175 @@
+"""Checkpoints read without the ranks: ``consolidate`` (one FP32 state dict for inference or
+export), ``consolidate_optimizer_state`` and ``inspect`` (what a checkpoint holds). None is a
+collective: they read the files DCP wrote, whatever world size wrote them (see [Note: canonical
+checkpoint layout] in state.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from . import files
+from .files import CheckpointError, PathLike
+from .state import flat_starts, numel
+
+
+def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
+    manifest = files.read_manifest(directory)
+    files.verify_share(directory, manifest["files"], 0, 1)
+    with files.quiet_single_process(True):
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+
+
+def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """One FP32 state dict of model ``model_index`` from a checkpoint, without the ranks.
+
+    Parameters with FP32 masters get the master values (not the rounded half weights); other
+    floating-point entries are cast to FP32; integer buffers stay as they are. A plain, unwrapped
+    FP32 model loads it with ``load_state_dict``. Not a collective.
+    """
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    models = manifest["models"]
+    if not 0 <= model_index < len(models):
+        raise CheckpointError(
+            f"model_index: expected 0..{len(models) - 1} ({len(models)} model(s) saved), "
+            f"got {model_index}"
+        )
+    entry = models[model_index]
+    dest: dict[str, Any] = {
+        f"model.{model_index}.{k}": torch.empty(shape, dtype=files.manifest_dtype(dtype))
+        for k, (shape, dtype) in entry["keys"].items()
+    }
+    where: dict[str, tuple[str, int, list[int]]] = {}
+    for o, opt in enumerate(manifest["optimizers"]):
+        for g, group in enumerate(opt["groups"]):
+            flat = group["flat"]
+            if flat is None:
+                continue
+            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
+            starts = flat_starts([tuple(s) for s in flat["shapes"]])
+            for name, start, shape in zip(flat["names"], starts, flat["shapes"], strict=True):
+                where[name] = (f"optim.{o}.g{g}.master", start, shape)
+    _read_offline(directory, dest)
+    out: dict[str, torch.Tensor] = {}
+    for key in entry["keys"]:
+        value = dest[f"model.{model_index}.{key}"]
+        canonical = entry["aliases"].get(key)
+        if canonical is not None and canonical in where:
+            flat_key, start, shape = where[canonical]
+            n = numel(shape)
+            out[key] = dest[flat_key][start : start + n].view(shape).clone()
+        elif value.is_floating_point():
+            out[key] = value.float()
+        else:
+            out[key] = value
+    return out
+
+
+def consolidate_optimizer_state(
+    directory: PathLike, optimizer_index: int = 0
+) -> dict[str, dict[str, Any]]:
+    """Optimizer ``optimizer_index``'s state per parameter name, full-sized, without the ranks.
+
+    ``{name: {"master": FP32 tensor (if separate), "exp_avg": ..., "step": ...}}`` — the same
+    whatever world size or sharding the checkpoint was written with. Not a collective.
+    """
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    opts = manifest["optimizers"]
+    if not 0 <= optimizer_index < len(opts):
+        raise CheckpointError(
+            f"optimizer_index: expected 0..{len(opts) - 1}, got {optimizer_index}"
+        )
+    entry, o = opts[optimizer_index], optimizer_index
+    dest: dict[str, Any] = {}
+    for g, group in enumerate(entry["groups"]):
+        flat = group["flat"]
+        if flat is not None:
+            dest[f"optim.{o}.g{g}.master"] = torch.empty(flat["total"], dtype=torch.float32)
+            for k, d in flat["tensor_keys"].items():
+                dest[f"optim.{o}.g{g}.state.{k}"] = torch.empty(
+                    flat["total"], dtype=files.manifest_dtype(d)
+                )
+    for name, saved in entry["kept"].items():
+        for k, d in saved["tensor_keys"].items():
+            dest[f"optim.{o}.p.{name}.{k}"] = torch.empty(
+                saved["shape"], dtype=files.manifest_dtype(d)
+            )
+    _read_offline(directory, dest)
+    out: dict[str, dict[str, Any]] = {}
+    for g, group in enumerate(entry["groups"]):
+        flat = group["flat"]
+        if flat is None:
+            continue
+        starts = flat_starts([tuple(s) for s in flat["shapes"]])
+        for i, (name, start, shape) in enumerate(
+            zip(flat["names"], starts, flat["shapes"], strict=True)
+        ):
+            n = numel(shape)
+            per: dict[str, Any] = {
+                "master": dest[f"optim.{o}.g{g}.master"][start : start + n].view(shape)
+            }
+            if flat["has_state"][i]:
+                for k in flat["tensor_keys"]:
+                    per[k] = dest[f"optim.{o}.g{g}.state.{k}"][start : start + n].view(shape)
+                for k, values in flat["scalars"].items():
+                    if values[i] is not None:
+                        per[k] = values[i]
+            out[name] = per
+    for name, saved in entry["kept"].items():
+        if not saved["has_state"]:
+            out[name] = {}
+            continue
+        per = {k: dest[f"optim.{o}.p.{name}.{k}"] for k in saved["tensor_keys"]}
+        per |= dict(saved["scalars"])
+        out[name] = per
+    return out
+
+
+def _sharding(props: dict[str, Any], world: int) -> str:
+    """What the saving run sharded, in words (the checkpoint loads either way)."""
+    if not props.get("shard_master_weights") or world == 1:
+        return "none (one copy of the optimizer state)"
+    what = "FP32 masters" if props.get("master_weights") else "FP32 weights"
+    return f"{what} and optimizer state over {world} ranks"
+
+
+def inspect(directory: PathLike) -> dict[str, Any]:
+    """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints)."""
+    directory = Path(directory)
+    manifest = files.read_manifest(directory)
+    props = manifest["properties"]
+    params = 0
+    for entry in manifest["models"]:
+        counted = set()
+        for key, canonical in entry["aliases"].items():
+            if canonical in counted:
+                continue
+            counted.add(canonical)
+            params += numel(entry["keys"][key][0])
+    sizes = {name: size for name, (size, _) in manifest["files"].items()}
+    return {
+        "directory": str(directory),
+        "step": manifest["step"],
+        "world_size": manifest["world_size"],
+        "opt_level": props.get("opt_level"),
+        "half_dtype": props.get("cast_model_type") if props.get("master_weights") else None,
+        "sharding": _sharding(props, manifest["world_size"]),
+        "properties": props,
+        "parameters": params,
+        "optimizers": [
+            {"class": o["class"], "steps": o["steps"], "skipped_steps": o["skipped_steps"]}
+            for o in manifest["optimizers"]
+        ],
+        "loss_scales": [s["scale"] for s in manifest["scalers"]],
+        "bytes_on_disk": sum(sizes.values())
+        + (directory / files.MANIFEST).stat().st_size
+        + (directory / files.COMMIT).stat().st_size,
+        "files": sizes,
+        "distamp_version": manifest.get("distamp_version"),
+        "torch_version": manifest.get("torch_version"),
+    }

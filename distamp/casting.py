@@ -11,9 +11,10 @@ replicate, deepcopy, FSDP's own class swap, a thread pool) keeps it, and torch i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -65,9 +66,9 @@ class CastPolicy:
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (apex's applier).
 
-    Walks lists, tuples, namedtuples, dicts and dataclasses; other objects with a ``.to()`` method
-    (e.g. a batch object) get ``.to(dtype)``; integer tensors, strings, numbers and NumPy arrays
-    pass through untouched.
+    Walks lists, tuples, namedtuples, mappings (their type kept: a defaultdict stays one) and
+    dataclasses; other objects with a ``.to()`` method (e.g. a batch object) get ``.to(dtype)``;
+    integer tensors, strings, numbers and NumPy arrays pass through untouched.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
@@ -78,7 +79,18 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, Mapping):
-        return type(value)({k: cast_floating(v, dtype) for k, v in value.items()})  # type: ignore[call-arg]
+        cast = {k: cast_floating(v, dtype) for k, v in value.items()}
+        if isinstance(value, MutableMapping):
+            # A copy keeps the type and what it carries (a defaultdict's factory, a batch
+            # object's attributes); item by item, since some forbid update() (HF's ModelOutput).
+            out = copy.copy(value)
+            for k, v in cast.items():
+                out[k] = v
+            return out
+        try:
+            return type(value)(cast)  # type: ignore[call-arg]
+        except TypeError:  # a read-only mapping that cannot be built from a dict: apex's dict
+            return cast
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
             f.name: cast_floating(getattr(value, f.name), dtype)

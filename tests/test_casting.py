@@ -182,6 +182,45 @@ def test_o2_casts_floating_inputs_and_leaves_integer_inputs_alone():
     assert out.dtype == torch.float32
 
 
+class BatchDict(dict):
+    """A batch type with its own attribute and an update() it forbids (HF ModelOutput style)."""
+
+    def __init__(self, *args, note="batch", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.note = note
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("update() is not allowed on this batch type")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_mappings_in_and_out_keep_their_type_under_o2_and_o3(level):
+    """A defaultdict (whose constructor needs its factory) or a dict subclass that forbids
+    update() goes in and comes out with its type and attributes, floating tensors cast."""
+    import collections
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            self.seen = (type(batch), batch["x"].dtype, batch["ids"].dtype)
+            out = collections.defaultdict(list, logits=self.fc(batch["x"]))
+            return out, BatchDict(logits=out["logits"], note="out")
+
+    model = distamp.wrap(Head(), opt_level=level)
+    ids = torch.tensor([1, 2])
+    batch = collections.defaultdict(list, x=torch.randn(2, 4), ids=ids)
+    out, custom = model(batch)
+    assert model.seen == (collections.defaultdict, torch.bfloat16, torch.int64)
+    assert isinstance(out, collections.defaultdict) and out["missing"] == []
+    assert out["logits"].dtype == torch.float32
+    assert type(custom) is BatchDict and custom.note == "out"
+    assert custom["logits"].dtype == torch.float32
+    assert batch["x"].dtype == torch.float32  # the caller's batch is not modified
+
+
 def test_enabled_false_returns_inputs_untouched():
     torch.manual_seed(0)
     model = NormMLP()

@@ -414,17 +414,24 @@ def cpu_has_bf16() -> bool:
 
 
 def pick_opt_level(
-    requested: str, device: torch.device, half_dtype: str, world_size: int = 1
+    requested: str,
+    device: torch.device,
+    half_dtype: str,
+    world_size: int = 1,
+    *,
+    fsdp: bool = False,
 ) -> tuple[str, str]:
     """(opt_level, why) for --opt-level auto: the fastest correct configuration for the machine
-    (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks."""
+    (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks, or
+    under FSDP2 (``fsdp``: it shards the FP32 parameters and the optimizer state itself)."""
     if requested != "auto":
         return requested, ""
-    zero = (
-        "across ranks FP32 masters sharded, gradients reduce-scattered into the shards"
-        if world_size > 1
-        else "one rank: FP32 masters, nothing to shard"
-    )
+    if fsdp:
+        zero = f"FSDP2 shards the FP32 parameters and AdamW state over {world_size} rank(s)"
+    elif world_size > 1:
+        zero = "across ranks FP32 masters sharded, gradients reduce-scattered into the shards"
+    else:
+        zero = "one rank: FP32 masters, nothing to shard"
     if device.type == "cuda":
         return "O2", f" (auto: GPU: half compute; {zero})"
     if half_dtype == "fp16":
@@ -435,8 +442,8 @@ def pick_opt_level(
         " (auto: this CPU has no bf16 units, where bf16 matmul runs ~100x slower than FP32: FP32 "
         "compute"
     )
-    if world_size == 1:
-        return "O0", f"{no_units})"
+    if world_size == 1 or fsdp:
+        return "O0", f"{no_units}; {zero})" if fsdp else f"{no_units})"
     # On par with O0 + the bf16 all-reduce hook at 2 ranks, faster at 4 where the wire is the
     # bottleneck (the step is 1/N); within noise of it where the cores are (measured on a CPU
     # without bf16 units); 1/N of the optimizer state everywhere: README, W2/W3 with FP32 compute.

@@ -80,7 +80,7 @@ def main() -> None:
         raise SystemExit("run under torchrun: FSDP needs a process group")
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
-    opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype)
+    opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype, world, fsdp=True)
     half = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16}[args.half_dtype]
 
     torch.manual_seed(0)
@@ -99,10 +99,15 @@ def main() -> None:
         first = int(extra["step"]) + 1
     data = RandomWindows(load_stdlib_bytes(int(args.data_mb * 2**20)), args.seq_len, seed=rank)
     if rank == 0:
+        # FSDP's FP32 parameter shards: the masters under O2, the weights themselves at O0/O1.
+        fp32 = sum(
+            local.numel() * local.element_size()
+            for local in (p.to_local() for p in model.parameters())
+            if local.dtype == torch.float32
+        )
         print(
             f"GPT {args.size} under FSDP2: {n_params / 1e6:.2f}M params | world size {world} | "
-            f"opt_level {opt_level}{why} | {distamp.stats(optimizer).master_bytes / 1e6:.2f} MB "
-            "of FP32 shards per rank",
+            f"opt_level {opt_level}{why} | {fp32 / 1e6:.2f} MB of FP32 shards per rank",
             flush=True,
         )
     progress = Progress(

@@ -21,14 +21,42 @@ def test_cli_prints_machine_facts_and_advice():
         assert word in run.stdout, word
 
 
-def test_check_finds_a_tiny_layernorm_eps_under_fp16_and_names_it():
+def test_check_finds_a_layernorm_eps_that_fp16_rounds_to_0_where_the_norm_may_run_in_fp16():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-12), nn.Linear(8, 2))
-    findings = distamp.doctor.check(model, opt_level="O2", half_dtype=torch.float16)
-    assert [f.module for f in findings] == ["1"]
-    assert "eps=1e-12" in findings[0].why and "float16" in findings[0].why
-    assert "eps >=" in findings[0].fix
-    # bf16 has FP32's exponent range: 1e-12 is representable there.
-    assert distamp.doctor.check(model, opt_level="O2", half_dtype=torch.bfloat16) == []
+    for level in ("O1", "O3"):
+        findings = distamp.doctor.check(model, opt_level=level, half_dtype=torch.float16)
+        assert [f.module for f in findings] == ["1"]
+        assert "eps=1e-12 rounds to 0 in torch.float16" in findings[0].why
+        assert "eps >=" in findings[0].fix
+    # O2 keeps norms FP32; 1e-5 is an fp16 subnormal, not 0; bf16 has FP32's exponent range.
+    assert distamp.doctor.check(model, opt_level="O2", half_dtype=torch.float16) == []
+    common = nn.Sequential(nn.LayerNorm(8, eps=1e-5))
+    assert distamp.doctor.check(common, opt_level="O3", half_dtype=torch.float16) == []
+    assert distamp.doctor.check(model, opt_level="O3", half_dtype=torch.bfloat16) == []
+
+
+def test_kept_fp32_lists_the_norms_wrap_recognized_and_changes_nothing():
+    class MyLayerNorm(nn.Module):  # nanoGPT's: a weight vector, no bias
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return nn.functional.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+    class Scale(nn.Module):  # not a norm: it has a matrix
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8, 8))
+
+        def forward(self, x):
+            return x @ self.w
+
+    model = nn.Sequential(nn.Linear(8, 8), MyLayerNorm(8), nn.LayerNorm(8), Scale())
+    assert distamp.doctor.kept_fp32(model) == ["1", "2"]
+    assert distamp.doctor.kept_fp32(model, keep_fp32_modules=["3"]) == ["3", "1", "2"]
+    assert distamp.doctor.kept_fp32(model, opt_level="O1") == []  # nothing cast, nothing kept
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_check_flags_softmax_and_losses_in_pure_half():

@@ -307,8 +307,21 @@ def test_fsdp_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         return run.stdout
 
+    import re
+
+    def fp32_share(out, world):
+        """The first line's FP32 shard size against 4 bytes per parameter / world (FSDP pads)."""
+        params = float(re.search(r"([0-9.]+)M params", out).group(1)) * 1e6
+        shards = float(re.search(r"([0-9.]+) MB of FP32 shards per rank", out).group(1)) * 1e6
+        return shards / (4 * params / world)
+
     out = torchrun(2, "--steps", "3", "--opt-level", "O2", "--ckpt-dir", str(tmp_path))
     assert "under FSDP2" in out and "opt_level O2" in out and "saved" in out
+    assert 0.98 < fp32_share(out, 2) < 1.05
     ckpt = tmp_path / "step_000003"
     out = torchrun(3, "--steps", "5", "--opt-level", "O2", "--resume", str(ckpt))
     assert "world size 3" in out and "step    5" in out and "done: final loss" in out
+    assert 0.98 < fp32_share(out, 3) < 1.05
+    # O1: FSDP's FP32 shards are the weights themselves (no masters), and the line says so too.
+    out = torchrun(2, "--steps", "1", "--opt-level", "O1")
+    assert 0.98 < fp32_share(out, 2) < 1.05

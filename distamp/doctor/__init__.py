@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import is_norm
-from ..config import check_opt_level, parse_half_dtype
+from ..casting import is_norm, plan_precision, resolve_fp32_modules
+from ..config import check_opt_level, parse_half_dtype, resolve_properties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,9 +51,9 @@ def check(
 ) -> list[Finding]:
     """The precision risks of ``model`` at ``opt_level`` (apex's levels), before wrapping it.
 
-    * normalization eps below the half dtype's smallest normal number (LayerNorm eps=1e-12 under
-      FP16 rounds to 0: division by ~0 for a constant input) — reported when that norm would run
-      in FP16 or its eps is stored there;
+    * a normalization eps that rounds to 0 in the half dtype (LayerNorm eps=1e-12 in FP16: a norm
+      computed there divides by ~0 for a constant input) — reported under O1 and O3, where a norm
+      may run in the half dtype; O2 keeps norms FP32 (see :func:`kept_fp32`);
     * Linear/Conv/Embedding widths that are not multiples of 8 when the model is on a CUDA device
       (tensor cores need them; the matmul falls back to slower kernels);
     * modules that run in the half dtype without autocast's FP32 policy under O2/O3 and are known
@@ -63,20 +63,22 @@ def check(
     device = device_type or next((p.device.type for p in model.parameters()), "cpu")
     half = parse_half_dtype(half_dtype, device)
     findings: list[Finding] = []
-    tiny = torch.finfo(half).tiny
+    info = torch.finfo(half)
+    smallest = info.tiny * info.eps  # the least subnormal number
     for name, module in model.named_modules():
         eps = getattr(module, "eps", None)
-        if level != "O0" and is_norm(module) and isinstance(eps, float) and 0 < eps < tiny:
+        flushes = isinstance(eps, float) and eps > 0 and float(torch.tensor(eps, dtype=half)) == 0
+        if level in ("O1", "O3") and is_norm(module) and flushes:
             findings.append(
                 Finding(
                     module=name,
                     why=(
-                        f"{type(module).__name__} eps={eps:g} is below {half}'s smallest normal "
-                        f"number {tiny:.3g}: in {half} it flushes to 0, and a constant input "
-                        "divides by ~0 (inf/NaN)."
+                        f"{type(module).__name__} eps={eps:g} rounds to 0 in {half} (its smallest "
+                        f"number is {smallest:.3g}): computed in {half}, the norm of a constant "
+                        "input divides by ~0 (inf/NaN)."
                     ),
-                    fix=f"use eps >= {tiny * 16:.0e} (1e-5 is common) or keep this layer FP32 "
-                    "(keep_batchnorm_fp32=True, the O2 default, or keep_fp32_modules).",
+                    fix="use eps >= 1e-6 (1e-5 is common) or keep this layer FP32 (O2 keeps norms "
+                    "FP32; keep_fp32_modules at any level).",
                 )
             )
         if device == "cuda" and isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
@@ -102,6 +104,24 @@ def check(
                 )
             )
     return findings
+
+
+def kept_fp32(
+    model: nn.Module,
+    opt_level: str = "O2",
+    half_dtype: Any = "auto",
+    keep_fp32_modules: Any = None,
+) -> list[str]:
+    """The modules of ``model`` that ``wrap`` would keep FP32 at ``opt_level``: the norm layers it
+    recognized (see [Note: recognizing norm layers] in casting.py), parameter-free modules with
+    floating buffers (rotary tables), those of ``keep_fp32_modules``, and modules sharing a
+    parameter with one of them. Changes nothing; look here for a norm class it did not recognize
+    (then pass it in ``keep_fp32_modules``)."""
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    props = resolve_properties(opt_level, device_type=device, half_dtype=half_dtype)
+    plan = plan_precision([model], props, resolve_fp32_modules([model], keep_fp32_modules))
+    names = {id(m): n or "<model>" for n, m in model.named_modules()}
+    return [names[id(m)] for m in plan.fp32_modules if id(m) in names]
 
 
 def matmul_gflops(dtype: torch.dtype, seconds: float, device: str = "cpu") -> float:
@@ -184,4 +204,4 @@ def machine(seconds: float = 1.0) -> dict[str, Any]:
     }
 
 
-__all__ = ["Finding", "check", "machine", "matmul_gflops", "reducible_dtypes"]
+__all__ = ["Finding", "check", "kept_fp32", "machine", "matmul_gflops", "reducible_dtypes"]

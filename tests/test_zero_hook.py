@@ -47,6 +47,17 @@ def _batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Te
     return x, torch.randint(0, 40, (4, 6), generator=g)
 
 
+def _steps(ddp: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    """The plain training loop: one batch per step, scale_loss, step, zero_grad."""
+    for step in steps:
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _train(
     rank: int,
     world: int,
@@ -267,13 +278,7 @@ def _overlap_run(rank: int, world: int, first: int, last: int, load: str, save: 
     distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
     if load:
         distamp.load_checkpoint(load, model, opt)
-    for step in range(first, last):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
-        with distamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(ddp, opt, rank, range(first, last))
     if save:
         distamp.save_checkpoint(save, model, opt)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
@@ -368,13 +373,7 @@ def _one_rank(rank: int, world: int, level: str, reduce_scatter: bool) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = distamp.hooks.register(ddp, opt, **kwargs)
-    for step in range(3):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
-        with distamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(ddp, opt, rank, range(3))
     return {
         "warnings": [str(w.message) for w in caught],
         "zero": isinstance(state, ZeroState),

@@ -33,11 +33,7 @@ def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Te
     directory = Path(directory)
     manifest = files.read_manifest(directory)
     models = manifest["models"]
-    if not 0 <= model_index < len(models):
-        raise CheckpointError(
-            f"model_index: expected 0..{len(models) - 1} ({len(models)} model(s) saved), "
-            f"got {model_index}"
-        )
+    _check_index("model_index", model_index, len(models), "model(s)")
     entry = models[model_index]
     dest: dict[str, Any] = {
         f"model.{model_index}.{k}": torch.empty(shape, dtype=files.manifest_dtype(dtype))
@@ -80,10 +76,7 @@ def consolidate_optimizer_state(
     directory = Path(directory)
     manifest = files.read_manifest(directory)
     opts = manifest["optimizers"]
-    if not 0 <= optimizer_index < len(opts):
-        raise CheckpointError(
-            f"optimizer_index: expected 0..{len(opts) - 1}, got {optimizer_index}"
-        )
+    _check_index("optimizer_index", optimizer_index, len(opts), "optimizer(s)")
     entry, o = opts[optimizer_index], optimizer_index
     dest: dict[str, Any] = {}
     for g, group in enumerate(entry["groups"]):
@@ -128,6 +121,13 @@ def consolidate_optimizer_state(
         per |= dict(saved["scalars"])
         out[name] = per
     return out
+
+
+def _check_index(what: str, index: int, saved: int, kind: str) -> None:
+    if not 0 <= index < saved:
+        raise CheckpointError(
+            f"{what}: expected 0..{saved - 1} ({saved} {kind} saved), got {index}"
+        )
 
 
 def _sharding(props: dict[str, Any], world: int) -> str:

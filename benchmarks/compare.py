@@ -638,6 +638,9 @@ def main() -> None:
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="bench", help="(default: bench)")
     parser.add_argument("--seq", type=int, default=128, help="(default: 128)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="sequences per rank (default: w1 8, w2 1)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round (default: 8)")
     parser.add_argument("--warmup", type=int, default=2, help="(default: 2)")
     parser.add_argument("--rounds", type=int, default=2, help="(default: 2)")
@@ -694,7 +697,7 @@ def main() -> None:
         opts = json.loads(Path(args.opts_file).read_text())
         worker(rank, world, None, args.worker, opts, args.result)
         return
-    batch = 8 if args.workload == "w1" else 1
+    batch = args.batch or (8 if args.workload == "w1" else 1)
     if args.quick:
         args.size, args.seq, args.steps, args.warmup, args.rounds = "tiny", 32, 3, 1, 1
         batch, args.lr = 2, 3e-3

@@ -68,6 +68,7 @@ from phases import markdown as phases_markdown
 import distamp
 import distamp.fsdp
 import distamp.masters.layout
+from distamp.collectives import all_gather_single
 from distamp.doctor import matmul_gflops
 
 BF16_CONFIGS = [
@@ -306,8 +307,8 @@ def wire_alone(
             work.wait()
         if scatter:
             works = [
-                dist.all_gather_single(
-                    weights[at * world : (at + n) * world], grads[at : at + n], async_op=True
+                all_gather_single(
+                    weights[at * world : (at + n) * world], grads[at : at + n], None, async_op=True
                 )
                 for at, n in ((a, min(block, shard - a)) for a in range(0, shard, block))
             ]

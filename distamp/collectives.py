@@ -16,6 +16,19 @@ def backend_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def all_gather_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Collective over ``group``: gather every rank's ``tensor`` (same size everywhere) end to end
+    into ``output``. torch 2.13 names it ``all_gather_single`` and deprecates the older
+    ``all_gather_into_tensor`` (torch 2.4-2.12 have only that)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
 def all_reduce_(
     tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ A model that FSDP wrapped already, or that ``distamp.wrap`` cast already, is ref
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -420,8 +421,9 @@ def _apply_fsdp1(
     wrapped = FullyShardedDataParallel(
         model,
         process_group=group,
-        auto_wrap_policy=lambda m: lambda_auto_wrap_policy(
-            m, recurse=True, nonwrapped_numel=0, lambda_fn=lambda x: id(x) in chosen
+        # FSDP calls the policy with keywords (module=, recurse=, nonwrapped_numel=).
+        auto_wrap_policy=functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in chosen
         ),
         mixed_precision=mp,
         use_orig_params=True,

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import all_gather_single
+
 if TYPE_CHECKING:
     from .layout import GroupLayout
 
@@ -160,7 +162,7 @@ class WeightGather:
                 if single:  # one rank: its round is all of the round, in place already
                     continue
                 self.pending[g].append(
-                    dist.all_gather_single(
+                    all_gather_single(
                         target[start : start + length * self.world],
                         send,
                         group=self.process_group,
@@ -270,7 +272,7 @@ class WeightGather:
             # Round j's blocks lie end to end, rank 0 first: one tensor, no staging copy.
             start = layout.flat_start(0, j)
             works.append(
-                dist.all_gather_single(
+                all_gather_single(
                     full[start : start + length * self.world],
                     mine[pos : pos + length],
                     group=self.process_group,

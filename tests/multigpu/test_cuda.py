@@ -87,7 +87,7 @@ def test_o2_fp16_on_cuda_tracks_fp32_reference():
     skipped = _train(model, opt, batches, "cuda")
     assert len(skipped) <= 2  # the first steps may overflow at 2**16 and back off
     ref = _reference(batches, skipped, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
-    assert _rel_err(model.parameters(), ref) < 1e-2
+    assert _rel_err(model.parameters(), ref) < 2e-2  # fp16 weights rounded 50 times (2**-11 each)
 
 
 @needs_gpu
@@ -126,7 +126,7 @@ def test_o1_autocast_reaches_a_forward_run_in_another_thread():
 def test_o3_fp16_on_cuda_trains():
     batches = data(40, 32)
     model = mlp().cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = distamp.wrap(model, opt, opt_level="O3", verbosity=0)
     assert all(p.dtype == torch.float16 for p in model.parameters())
     x, y = batches[0]

@@ -355,15 +355,25 @@ def check_progress_arguments(
 def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
     """Join the torchrun process group if there is one; return (device, backend or None).
 
-    ``backend`` "auto" is NCCL when CUDA is available (one GPU per rank, by LOCAL_RANK), else
-    gloo; "gloo" keeps the model on the CPU even where there are GPUs.
+    ``backend`` "auto" is NCCL when every rank of this node has a GPU of its own (by LOCAL_RANK),
+    else gloo on the CPU (more ranks than GPUs is a CPU run, "backend gloo on cpu" in the first
+    line, not a crash on a device that does not exist); "gloo" keeps the model on the CPU even
+    where there are GPUs.
     """
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend == "nccl" and local_world > gpus:
+        raise SystemExit(
+            f"--backend nccl: expected a GPU per rank, found {gpus} GPU(s) for {local_world} "
+            "rank(s) on this node (torchrun --nproc_per_node at most the GPU count, or --backend gloo)"
+        )
+    use_cuda = gpus > 0 and backend != "gloo" and local_world <= gpus
     if backend == "nccl" and not use_cuda:
         raise SystemExit("--backend nccl needs CUDA: this machine has no usable GPU")
     device = torch.device("cpu")
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no group
         return device, None

@@ -241,12 +241,15 @@ def test_fsdp_checkpoint_round_trip_and_reshard(tmp_path):
 
 
 def wrong_orders(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # torch's fully_shard puts an unmeshed model on the GPU where there is one: keep it on the CPU.
+    mesh = init_device_mesh("cpu", (world,))
     messages = {}
     model = Net()
     opt = torch.optim.AdamW(model.parameters())
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     for name, call in {
         "fsdp then distamp.fsdp": lambda: distamp.fsdp.fully_shard(model, opt),
         "fsdp then wrap": lambda: distamp.wrap(model, opt, opt_level="O2"),
@@ -261,7 +264,7 @@ def wrong_orders(rank, world):
     # (With FP32 norm layers torch's fully_shard itself refuses the mixed dtypes; without them it
     # shards the half model, and the first step names the mistake.)
     model, opt = distamp.wrap(model, opt, opt_level="O2", keep_batchnorm_fp32=False, verbosity=0)
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     x, y = batch(0, rank, world)
     with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
         scaled.backward()

@@ -136,6 +136,14 @@ class Unwrappable(nn.Module):
 
 
 # (name, make the objects, the misuse, exception, what the message must say)
+def _data_parallel(module):
+    """``nn.DataParallel(module)``, the module left on the CPU: where a GPU exists DataParallel
+    moves it to cuda:0 itself (not distamp's doing; the check below compares values)."""
+    wrapped = nn.DataParallel(module)
+    module.cpu()
+    return wrapped
+
+
 MATRIX = [
     # -- wrap: wrong values and types
     (
@@ -198,7 +206,7 @@ MATRIX = [
     (
         "model under DataParallel",
         plain,
-        lambda m, o, t: distamp.wrap(nn.DataParallel(m), o),
+        lambda m, o, t: distamp.wrap(_data_parallel(m), o),
         ValueError,
         r"must be called before DistributedDataParallel/DataParallel/FSDP",
     ),

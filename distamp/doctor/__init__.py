@@ -170,13 +170,17 @@ def reducible_dtypes(backend: str = "gloo") -> dict[str, bool]:
 
 
 def machine(seconds: float = 1.0) -> dict[str, Any]:
-    """Facts about this machine: versions, backends, devices, measured matmul throughput."""
+    """Facts about this machine: versions, backends, devices, measured matmul throughput (the
+    CPU's, and the first GPU's where there is one: the device a run trains on)."""
     per = max(0.01, seconds / 3)
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    flops = {
-        str(dt).removeprefix("torch."): matmul_gflops(dt, per)
-        for dt in (torch.float32, torch.float16, torch.bfloat16)
-    }
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    flops = {str(dt).removeprefix("torch."): matmul_gflops(dt, per) for dt in dtypes}
+    gpu_flops = (
+        {str(dt).removeprefix("torch."): matmul_gflops(dt, per, "cuda:0") for dt in dtypes}
+        if len(devices) > 1
+        else {}
+    )
     backends = {
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
@@ -200,11 +204,18 @@ def machine(seconds: float = 1.0) -> dict[str, Any]:
         advice.append(f"bf16 matmul is slow here ({bf16:.1f} GFLOP/s): use fp16")
     else:
         advice.append("half-precision matmul is fast here: O1/O2 pay off")
+    if gpu_flops:
+        advice.append(
+            f"cuda:0: fp16 {gpu_flops['float16'] / 1e3:.0f}, bf16 {gpu_flops['bfloat16'] / 1e3:.0f} "
+            f"vs fp32 {gpu_flops['float32'] / 1e3:.0f} TFLOP/s: train there in O2 (half_dtype "
+            "'auto' is fp16 on CUDA, with the dynamic loss scale; bf16 needs none to stay finite)"
+        )
     return {
         "torch": str(torch.__version__),
         "devices": devices,
         "backends": backends,
         "matmul_gflops": flops,
+        "gpu_matmul_gflops": gpu_flops,
         "gloo_reduces": reducible_dtypes("gloo") if backends["gloo"] else {},
         "advice": advice,
     }

@@ -25,9 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in facts["backends"].items())
     )
     print(
-        "matmul       "
+        "cpu matmul   "
         + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in facts["matmul_gflops"].items())
     )
+    if facts["gpu_matmul_gflops"]:
+        print(
+            "cuda:0       "
+            + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in facts["gpu_matmul_gflops"].items())
+        )
     if facts["gloo_reduces"]:
         print(
             "gloo reduces "

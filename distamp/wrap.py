@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -44,6 +45,7 @@ from .masters.optimizer import (
     unscale_now,
 )
 from .masters.replicated import MasterParams
+from .masters.rounds import PER_PARAMETER
 from .masters.sharded import ShardedMasterParams
 from .optstate import OptState
 from .scaler import ScalerGroup
@@ -142,12 +144,8 @@ def wrap(
     names = check_models(model_list)
     check_optimizers(opt_list, names)
     wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
-    if wrappers and props.shard_master_weights:
-        raise ValueError(
-            f"distamp.wrap: {type(wrappers[0]).__name__} wraps an optimizer and reads per-"
-            "parameter gradients in its step, but sharded masters cut parameters into flat "
-            "slices; expected shard_master_weights=False with an optimizer wrapper"
-        )
+    if props.shard_master_weights:
+        props = _shard_or_replicate(props, given, explicit=shard_master_weights is not None)
     fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
     plan = casting.plan_precision(model_list, props, fp32_modules)
     facts = fingerprint(props, model_list, opt_list)
@@ -193,6 +191,50 @@ def wrap(
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) -> Properties:
+    """The sharding decision, given the optimizers.
+
+    [Note: which optimizers shard] Sharded masters hand the optimizer flat slices of this rank's
+    shard (pieces of several parameters end to end, a parameter cut between ranks), so sharded
+    training equals replicated training only for a step that treats every element on its own.
+    torch's per-parameter optimizers (``PER_PARAMETER``: SGD, Adam/AdamW, Adagrad, ...) do; LAMB
+    and LARS (a trust ratio per parameter), Adafactor (factored moments), NovoGrad (a norm per
+    layer), timm's ``caution`` variants and optimizer wrappers such as apex's LARC read whole
+    parameters and would train differently, and differently on each rank, without a word. So by
+    default any other optimizer keeps replicated masters (a warning says so); an explicit
+    ``shard_master_weights=True`` shards anyway (the user vouches for an element-wise step), with
+    a warning, except for a wrapper, which cannot be stepped on slices at all.
+    """
+    others = [o for o in given if not isinstance(o, PER_PARAMETER)]
+    if not others:
+        return props
+    name = type(others[0]).__name__
+    if explicit:
+        if not isinstance(others[0], torch.optim.Optimizer):
+            raise ValueError(
+                f"distamp.wrap: {name} wraps an optimizer and reads per-parameter gradients in "
+                "its step, but sharded masters cut parameters into flat slices; expected "
+                "shard_master_weights=False with an optimizer wrapper"
+            )
+        warnings.warn(
+            f"distamp.wrap: shard_master_weights=True with {name}, which is not one of torch's "
+            "per-parameter optimizers: its step sees flat slices of this rank's shard, not whole "
+            "parameters, which trains like replicated masters only if it treats every element "
+            "on its own (LAMB, LARS, Adafactor do not)",
+            stacklevel=3,
+        )
+        return props
+    warnings.warn(
+        f"distamp.wrap: {name} is not one of torch's per-parameter optimizers, so its step may "
+        "read whole parameters (norms, trust ratios, factored moments) that sharded masters "
+        "would cut into flat slices; the FP32 masters and optimizer state stay replicated on "
+        "every rank (shard_master_weights=True shards them if its step treats every element on "
+        "its own)",
+        stacklevel=3,
+    )
+    return dataclasses.replace(props, shard_master_weights=False)
 
 
 def _master_ids(

@@ -1,6 +1,8 @@
 """Optimizer wrappers that read gradients inside their own ``step`` (apex's LARC pattern) see the
 true, unscaled gradients when handed to ``wrap`` (see [Note: optimizer wrappers])."""
 
+import contextlib
+
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -105,19 +107,99 @@ def test_hooks_and_checkpoints_take_the_wrapper_the_user_holds(tmp_path):
 
 
 def _sharded(rank, world):
+    out = {}
     model = GradProbe(4)
     opt = TrustRatio(torch.optim.SGD(model.parameters(), lr=1.0))
     try:
-        distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        distamp.wrap(model, opt, opt_level="O2", shard_master_weights=True, verbosity=0)
     except ValueError as exc:
-        return str(exc)
-    return "wrapped"
+        out["explicit"] = str(exc)
+    model = GradProbe(4)
+    opt = TrustRatio(torch.optim.SGD(model.parameters(), lr=1.0))
+    with pytest.warns(UserWarning, match="stay replicated") as record:
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    out["warning"] = str(record[0].message)
+    out["master_bytes"] = distamp.stats(opt).master_bytes
+    return out
 
 
-def test_sharded_masters_refuse_a_wrapper_that_reads_per_parameter_gradients():
-    for message in run_ranks(_sharded, 2):
-        assert "TrustRatio wraps an optimizer" in message
-        assert "shard_master_weights=False" in message
+def test_sharded_masters_refuse_a_wrapper_and_the_default_keeps_them_replicated():
+    """A wrapper reads whole parameters in its step: shard_master_weights=True is refused, and the
+    default (sharded at 2 ranks) keeps the masters replicated for it, saying so."""
+    for out in run_ranks(_sharded, 2):
+        assert "TrustRatio wraps an optimizer" in out["explicit"]
+        assert "shard_master_weights=False" in out["explicit"]
+        assert "TrustRatio is not one of torch's per-parameter optimizers" in out["warning"]
+        assert out["master_bytes"] == 4 * 4  # the whole FP32 master on every rank
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB as its papers and timm write it: Adam's update scaled per parameter by the trust
+    ratio ||w|| / ||update||, which needs the whole parameter (not a flat slice of a shard)."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = state["m"] / (state["v"].sqrt() + group["eps"])
+                update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+                p.add_(update, alpha=-group["lr"] * float(trust))
+
+
+def _lamb(rank, world, shard):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = Lamb(model.parameters())
+    with pytest.warns(UserWarning, match="Lamb") as record:
+        model, opt = distamp.wrap(
+            model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0
+        )
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        loss = nn.functional.mse_loss(
+            ddp(x[rank * 4 : rank * 4 + 4]).float(), y[rank * 4 : rank * 4 + 4]
+        )
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "warning": str(record[0].message),
+        "weights": [p.detach().float().clone() for p in model.parameters()],
+        "master_bytes": distamp.stats(opt).master_bytes,
+    }
+
+
+def test_an_optimizer_that_reads_whole_parameters_keeps_replicated_masters_by_default():
+    """LAMB's trust ratio on a flat slice of a shard is not LAMB: at 2 ranks O2's default keeps
+    its masters replicated (every rank holds all of them and steps the same whole
+    parameters, so the replicas agree bit for bit); an explicit True shards, with a warning."""
+    default = run_ranks(_lamb, 2, None)
+    for out in default:
+        assert "Lamb is not one of torch's per-parameter optimizers" in out["warning"]
+        assert out["master_bytes"] == 4 * (6 * 32 + 32 + 32 * 3 + 3)
+    for a, b in zip(default[0]["weights"], default[1]["weights"], strict=True):
+        assert torch.equal(a, b)
+    for out in run_ranks(_lamb, 2, True):
+        assert "shard_master_weights=True with Lamb" in out["warning"]
+        assert out["master_bytes"] < 4 * (6 * 32 + 32 + 32 * 3 + 3)
 
 
 class Lookahead(torch.optim.Optimizer):
@@ -152,7 +234,12 @@ def test_a_wrapper_sharing_its_param_groups_with_the_base_optimizer_trains_under
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
-    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    # Lookahead is not one of torch's per-parameter optimizers: sharding it is the user's call.
+    warns = pytest.warns(UserWarning, match="with Lookahead") if shard else contextlib.nullcontext()
+    with warns:
+        model, opt = distamp.wrap(
+            model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0
+        )
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
     y = x.sum(dim=1, keepdim=True)
     losses = []

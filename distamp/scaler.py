@@ -216,6 +216,18 @@ class ScalerGroup:
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: only to explain misuse in error messages)."""
 
+    def nonfinite_weight(self) -> str | None:
+        """The first parameter of the wrapped models holding inf/NaN on this rank, as "name
+        holds inf", or None (only when explaining an error: it reads every weight)."""
+        for ref in self.models:
+            model = ref()
+            for name, param in model.named_parameters() if model is not None else ():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                if local.numel() and not bool(torch.isfinite(local).all()):
+                    kind = "NaN" if bool(torch.isnan(local).any()) else "inf"
+                    return f"parameter {name!r} holds {kind}"
+        return None
+
     def sharded_by_fsdp_after_wrap(self) -> str | None:
         """The FSDP wrapper found in a model wrapped by ``distamp.wrap``, if one was applied later."""
         from .casting import data_parallel_wrapper_name
@@ -423,10 +435,17 @@ class ScalerGroup:
                 )
                 if not scaler.dynamic:
                     reason += f" with a static loss scale of {scaler.scale:g}"
+                broken = self.nonfinite_weight()
+                where = (
+                    f"the weights themselves are non-finite ({broken}): an earlier step wrote "
+                    "them (without FP32 masters, e.g. O3 fp16, an optimizer eps that rounds to 0 "
+                    "in fp16 divides by 0), so every forward after it fails"
+                    if broken
+                    else "look for a NaN/inf produced by the forward pass or the loss itself"
+                )
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "
-                    "look for a NaN/inf produced by the forward pass or the loss itself "
-                    "(max_consecutive_skips / min_loss_scale set this limit)"
+                    f"{where} (max_consecutive_skips / min_loss_scale set this limit)"
                 )
 
 

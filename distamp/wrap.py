@@ -156,6 +156,7 @@ def wrap(
     check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
+    _warn_about_eps(opt_list, props)
     if props.shard_master_weights:
         strided = [
             names[id(p)]
@@ -272,6 +273,26 @@ def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
                 seen.add(id(tensor))
                 out.append(tensor.data)
     return out
+
+
+def _warn_about_eps(optimizers: list[torch.optim.Optimizer], props: Properties) -> None:
+    """Without FP32 masters the optimizer steps fp16 weights with fp16 state: an ``eps`` below
+    fp16's smallest subnormal (6e-8; Adam's default 1e-8) is 0 there, and Adam divides by 0 as
+    soon as a squared gradient underflows (seen on a GPT-2 under O3: every weight inf by step 2)."""
+    if props.master_weights or props.cast_model_type != torch.float16:
+        return
+    for i, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            eps = group.get("eps")
+            if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=torch.float16) == 0:
+                warnings.warn(
+                    f"distamp.wrap: optimizer {i} param_groups[{g}]['eps'] = {eps:g} rounds to 0 in "
+                    f"float16, which opt_level {props.opt_level} steps the weights in (no FP32 "
+                    "masters): expected eps >= 6e-8 (1e-4 is common for fp16 Adam), or O2 (FP32 "
+                    "masters), or bf16",
+                    stacklevel=3,
+                )
+                return
 
 
 def _warn_about_plan(

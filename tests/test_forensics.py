@@ -4,12 +4,13 @@ random faults on random ranks keeps every rank bit-identical and does not leak."
 import logging
 import os
 import random
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from models import data, mlp
+from models import GradProbe, data, mlp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -189,3 +190,33 @@ def test_soak_1000_fp16_steps_random_faults_world_4_bit_identical_and_flat_memor
         # Memory flat after warm-up: resident size grew by less than 5% over 800 steps.
         assert r["rss_growth"] < 0.05, f"rank {rank}: RSS grew {r['rss_growth']:.1%}"
     assert all(torch.isfinite(p).all() for p in first["params"])
+
+
+def test_o3_fp16_adam_eps_is_flagged_at_wrap_and_inf_weights_are_named_in_the_error():
+    """O3 fp16 steps fp16 weights with fp16 Adam state: eps=1e-8 is 0 there, and a gradient whose
+    square underflows (1e-5) divides by 0 and writes inf weights (an audit's tiny GPT-2 under O3
+    fp16: NaN from step 1). wrap warns about the eps; the error at the skip limit says the weights
+    themselves are non-finite, not "look at the forward"."""
+    model = GradProbe(4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['eps'\] = 1e-08 rounds to 0"):
+        model, opt = distamp.wrap(
+            model, opt, opt_level="O3", half_dtype=torch.float16, max_consecutive_skips=3
+        )
+    g = torch.full((4,), 1e-5, dtype=torch.float16)
+    with pytest.raises(distamp.NonFiniteGradientError, match=r"parameter 'w' holds inf"):
+        for _ in range(10):
+            with distamp.scale_loss(model(g), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    assert distamp.stats(opt).skipped_steps == 3  # the step that wrote inf, then 3 skips
+
+
+def test_adam_eps_of_1e_4_or_fp32_masters_are_not_flagged():
+    for level, eps in (("O3", 1e-4), ("O2", 1e-8)):
+        model = GradProbe(4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            distamp.wrap(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)

@@ -80,6 +80,10 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, Mapping):
         cast = {k: cast_floating(v, dtype) for k, v in value.items()}
+        if (
+            type(value) is dict
+        ):  # forward's **kwargs: no copy (torch.compile's fullgraph traces this)
+            return cast
         if isinstance(value, MutableMapping):
             # A copy keeps the type and what it carries (a defaultdict's factory, a batch
             # object's attributes); item by item, since some forbid update() (HF's ModelOutput).
@@ -111,9 +115,13 @@ class AmpModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = type(self)._distamp_policy
+        probes = self.__dict__.get("_distamp_dtype_probes")
+        if probes:
+            check_dtypes(self, probes)
         if policy.input_dtype is not None:
             args = cast_floating(args, policy.input_dtype)
-            kwargs = cast_floating(kwargs, policy.input_dtype)
+            if kwargs:
+                kwargs = cast_floating(kwargs, policy.input_dtype)
         if policy.autocast_dtype is not None:
             with torch.autocast(policy.device_type, dtype=policy.autocast_dtype):
                 output = super().forward(*args, **kwargs)
@@ -122,6 +130,37 @@ class AmpModule(nn.Module):
         if policy.output_dtype is not None:
             output = cast_floating(output, policy.output_dtype)
         return output
+
+
+def dtype_probes(model: nn.Module) -> tuple[tuple[str, torch.dtype], ...]:
+    """(name, dtype) of the model's first cast parameter and first parameter kept FP32, as wrap
+    left them: what :func:`check_dtypes` compares at every forward."""
+    probes: dict[bool, tuple[str, torch.dtype]] = {}
+    for name, param in model.named_parameters():
+        if param.is_floating_point():
+            probes.setdefault(param.dtype == torch.float32, (name, param.dtype))
+    return tuple(probes.values())
+
+
+def check_dtypes(model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...]) -> None:
+    """[Note: dtypes changed after wrap] ``model.float()``/``.half()``/``.to(dtype)`` or
+    ``load_state_dict(..., assign=True)`` after wrap changes the weights' dtypes behind distamp's
+    back: O2's forward then failed deep inside with torch's "mat1 and mat2 must have the same
+    dtype", and O1's ``model.bfloat16()`` trained bf16 weights without a word. One dtype read per
+    probe per forward says so at once."""
+    for name, dtype in probes:
+        try:
+            found = model.get_parameter(name).dtype
+        except AttributeError:  # the parameter was removed: nothing to compare
+            continue
+        if found != dtype:
+            props = getattr(type(model), "_distamp_properties", None)
+            raise RuntimeError(
+                f"distamp: parameter {name!r} is {found}, but distamp.wrap left it {dtype} "
+                f"(opt_level {props.opt_level if props else '?'}): expected no dtype "
+                "conversion of a wrapped model (model.float()/.half()/.to(dtype), "
+                "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model"
+            )
 
 
 class FP32NormModule(nn.Module):
@@ -143,7 +182,8 @@ class FP32NormModule(nn.Module):
         first = _first_floating(args, kwargs)
         incoming = first.dtype if first is not None else type(self)._distamp_output_dtype
         args = cast_floating(args, torch.float32)
-        kwargs = cast_floating(kwargs, torch.float32)
+        if kwargs:
+            kwargs = cast_floating(kwargs, torch.float32)
         device = first.device.type if first is not None else device_type_of(self)
         # Autocast (when the user runs one around a half model) would cast the module back down.
         with torch.autocast(device, enabled=False):

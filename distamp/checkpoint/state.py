@@ -82,14 +82,22 @@ class OptimizerView:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP/DataParallel."""
-    inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module) and type(model).__name__ in (
-        "DistributedDataParallel",
-        "DataParallel",
-    ):
-        return inner
-    return model
+    """The user's module inside DDP/DataParallel and ``torch.compile`` (in any nesting:
+    ``torch.compile(DDP(model))`` is common), so that a checkpoint's names do not depend on how
+    the model was run: one saved from the compiled model loads into the plain one and back."""
+    while True:
+        compiled = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(compiled, nn.Module):
+            model = compiled
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in (
+            "DistributedDataParallel",
+            "DataParallel",
+        ):
+            model = inner
+            continue
+        return model
 
 
 def live_state_dict(model: nn.Module) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""torch.compile of a wrapped model (fullgraph traces distamp's forward; checkpoint names do not
+depend on compiling), and dtype conversions after wrap said at once (an audit's findings)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from torch import nn
+
+import distamp
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fullgraph_compile_traces_the_wrapped_forward(opt_level):
+    """dynamo's fullgraph refused O2's input cast (``copy.copy`` of forward's kwargs dict); the
+    compiled model must give the eager model's outputs, in the opt_level's dtype."""
+    model = distamp.wrap(net(), opt_level=opt_level, verbosity=0)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    out = compiled(x)
+    assert out.dtype == (torch.bfloat16 if opt_level == "O1" else torch.float32)
+    assert torch.equal(out, model(x))
+
+
+def _compiled_save_plain_load(rank, world, directory):
+    def make():
+        model = net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+
+    model, opt = make()
+    compiled = torch.compile(model, backend="eager")
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with distamp.scale_loss(F.mse_loss(compiled(x), torch.zeros(4, 2)), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, compiled, opt)  # the compiled module, as users hold it
+    plain, plain_opt = make()
+    distamp.load_checkpoint(directory, plain, plain_opt)  # the plain one, to evaluate
+    again, again_opt = make()
+    distamp.load_checkpoint(directory, torch.compile(again, backend="eager"), again_opt)
+    return [[p.detach().clone() for p in m.parameters()] for m in (model, plain, again)]
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_path):
+    """Saved through torch.compile's wrapper, the names were '_orig_mod.'-prefixed and the plain
+    model's load was refused; now the names are the model's own either way."""
+    ((trained, plain, again),) = run_ranks(_compiled_save_plain_load, 1, str(tmp_path / "c"))
+    for a, b, c in zip(trained, plain, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    names = distamp.checkpoint.consolidate(tmp_path / "c")  # the model's own names, offline too
+    assert sorted(names) == sorted(net().state_dict())
+
+
+CONVERSIONS = {
+    "O2 model.float()": ("O2", lambda m: m.float(), r"'0.weight' is torch.float32, but"),
+    "O2 model.bfloat16()": ("O2", lambda m: m.bfloat16(), r"'1.weight' is torch.bfloat16, but"),
+    "O2 model.double()": ("O2", lambda m: m.double(), r"'0.weight' is torch.float64"),
+    "O1 model.bfloat16()": ("O1", lambda m: m.bfloat16(), r"'0.weight' is torch.bfloat16, but"),
+    "O2 load_state_dict(assign=True)": (
+        "O2",
+        lambda m: m.load_state_dict(net().state_dict(), assign=True),
+        r"'0.weight' is torch.float32, but distamp.wrap left it torch.bfloat16",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSIONS))
+def test_a_dtype_conversion_after_wrap_is_named_at_the_next_forward(name):
+    """O2's forward failed inside torch ("mat1 and mat2 must have the same dtype") and O1's
+    model.bfloat16() trained bf16 weights silently; the next forward now names the parameter,
+    the dtype found and the one wrap left."""
+    opt_level, convert, pattern = CONVERSIONS[name]
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=opt_level, verbosity=0)
+    model(torch.randn(2, 8))
+    convert(model)
+    with pytest.raises(RuntimeError, match=pattern):
+        model(torch.randn(2, 8))
+
+
+def test_moving_a_wrapped_model_without_changing_dtypes_is_fine():
+    model = distamp.wrap(net(), opt_level="O2", verbosity=0)
+    model.to("cpu").train().eval()
+    assert model(torch.randn(2, 8)).dtype == torch.float32

@@ -80,9 +80,8 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, Mapping):
         cast = {k: cast_floating(v, dtype) for k, v in value.items()}
-        if (
-            type(value) is dict
-        ):  # forward's **kwargs: no copy (torch.compile's fullgraph traces this)
+        # A plain dict (forward's **kwargs) needs no copy, which torch.compile's fullgraph refused.
+        if type(value) is dict:
             return cast
         if isinstance(value, MutableMapping):
             # A copy keeps the type and what it carries (a defaultdict's factory, a batch

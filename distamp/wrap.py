@@ -180,9 +180,8 @@ def wrap(
     cast_names = _cast_names(model_list, plan)
     for model in model_list:
         casting.cast_model(model, props, device_type, plan)
-        model._distamp_dtype_probes = casting.dtype_probes(
-            model
-        )  # see [Note: dtypes changed after wrap]
+        # What each forward compares: see [Note: dtypes changed after wrap] in casting.py.
+        model._distamp_dtype_probes = casting.dtype_probes(model)
     for master in masters:
         master.after_cast()
     for opt in opt_list:

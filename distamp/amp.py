@@ -239,8 +239,30 @@ def half_function(fn: F) -> F:
 
 
 def float_function(fn: F) -> F:
-    """Run ``fn`` in FP32 even under autocast (O1): inputs cast up, autocast off inside."""
-    return _cast_call(fn, lambda _device, _inputs: torch.float32)
+    """Run ``fn`` in FP32: under autocast (O1) inputs cast up and autocast off inside; outside it
+    half inputs are cast up too (a loss function computed outside the model's forward on its
+    half outputs: apex ran it in FP32 wherever it was called, and an fp16 sum of squares
+    overflows). FP32 inputs run unchanged."""
+    under_autocast = _cast_call(fn, lambda _device, _inputs: torch.float32)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _autocast_device(args, kwargs) is None and _has_half((*args, *kwargs.values())):
+            return fn(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
+        return under_autocast(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _has_half(values: Any) -> bool:
+    for value in values:
+        if isinstance(value, (list, tuple)) and _has_half(value):
+            return True
+        if isinstance(value, dict) and _has_half(value.values()):
+            return True
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            return True
+    return False
 
 
 def promote_function(fn: F) -> F:

@@ -29,6 +29,7 @@ from .forensics import (
     locate_nonfinite,
     locate_nonfinite_loss,
 )
+from .masters.base import grad_version
 from .optstate import OptState
 
 if TYPE_CHECKING:
@@ -313,6 +314,7 @@ class ScalerGroup:
             st.grad_scale = scale
             st.state = OptState.SCALED
             st.backwards.append(block)
+            st.scaled_grads = [(p, grad_version(p)) for p in st.masters.model_params]
             if attribute:
                 now = st.masters.check()
                 seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)

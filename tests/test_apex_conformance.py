@@ -320,7 +320,31 @@ def test_decorators_follow_apex_cast_tables(half, xtype, ytype):
         assert out.dtype == want, decorator.__name__
         out.float().sum().backward()
         assert (x.grad.dtype, w.grad.dtype) == (x.dtype, w.dtype)
-        assert fn(x.detach(), w.detach()).dtype == torch.promote_types(x.dtype, w.dtype)  # no O1
+        # Outside autocast: half/promote run unchanged (apex without O1); float_function still
+        # runs in FP32 (apex ran it so wherever O1 was on: a loss outside the model's forward).
+        outside = torch.promote_types(x.dtype, w.dtype)
+        if decorator is amp.float_function:
+            outside = torch.float32
+        assert fn(x.detach(), w.detach()).dtype == outside
+
+
+def test_a_float_function_loss_outside_forward_runs_in_fp32_under_o1():
+    """An audit's apex script: O1 fp16, the loss computed outside forward by a function decorated
+    with @amp.float_function. fp16's sum of squares overflowed to inf (every step skipped);
+    apex ran it in FP32 wherever it was called, and so does distamp now."""
+    model = nn.Linear(4, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0)
+
+    @amp.float_function
+    def energy(out):
+        return out.pow(2).sum()
+
+    out = model(torch.full((8, 4), 40.0))
+    assert out.dtype == torch.float16
+    loss = energy(out)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert loss.item() > 65504  # the same sum in fp16 is inf
 
 
 def test_decorators_cast_tensors_inside_a_list_argument():

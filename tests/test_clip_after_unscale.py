@@ -7,10 +7,13 @@ stays FP32 under O2): after one SGD(lr=1) step each weight is minus its clipped 
 the weights' global norm must be ``max_norm`` and their direction the gradient's.
 """
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 from dist_harness import run_ranks
-from models import GradProbe
+from models import GradProbe, data, mlp
 from torch import nn
 
 import distamp
@@ -89,3 +92,28 @@ def test_a_gradient_removed_after_unscale_is_not_stepped(shard, world):
     for r in run_ranks(_clip_step, world, "O2", torch.bfloat16, shard, "drop", timeout=120):
         assert torch.equal(r["a"], torch.zeros(6))
         torch.testing.assert_close(r["ln"], -H / 8)
+
+
+def test_clipping_the_model_while_gradients_are_still_scaled_is_warned_about():
+    """apex's O1 unscaled the model's gradients when scale_loss exited, so its scripts clip
+    model.parameters() right there; distamp unscales at step(), and such a clip saw a norm
+    65536x too large (an update 65536x too small, silently). step() now says so, once."""
+    from distamp import amp
+
+    for touch, warned in (("clip", True), ("unscale_ then clip", False), ("nothing", False)):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for x, y in data(3, 8):
+                with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+                if touch == "unscale_ then clip":
+                    distamp.unscale_(opt)
+                if touch != "nothing":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        messages = [str(w.message) for w in seen if "still multiplied" in str(w.message)]
+        assert len(messages) == (1 if warned else 0), (touch, messages)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..config import HALF_DTYPES
 from ..forensics import NonFiniteReport
 from ..optstate import OptState
+from .base import grad_version
 from .rounds import round_step, step_in_rounds
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class AmpOptimizerState:
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.warned_unscaled_step = False
+        self.scaled_grads: list[tuple[Any, tuple[int, int] | None]] = []
+        """(parameter, grad_version) of every model gradient at the end of the last scale_loss
+        block: see [Note: scaled gradients touched before step()]."""
+        self.warned_touched_scaled = False
 
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
@@ -109,6 +114,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
+        if st.state is OptState.SCALED:
+            _warn_if_scaled_grads_touched(st)
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
         st.masters.take_modified_model_grads()
@@ -335,3 +342,26 @@ class AmpOptimizerWrapper:
 def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
     """A subclass of ``cls`` with :class:`AmpOptimizer` in front; same name, so reprs read as before."""
     return type(cls.__name__, (AmpOptimizer, cls), {"__module__": cls.__module__})
+
+
+def _warn_if_scaled_grads_touched(st: AmpOptimizerState) -> None:
+    """[Note: scaled gradients touched before step()] distamp unscales at ``step()`` (or
+    ``unscale_``), not when a scale_loss block ends (apex's O1 did), so a script that clips
+    ``model.parameters()`` between the block and ``step()`` clips gradients still multiplied by
+    the loss scale (an audit's apex O1 script: a norm of 5.9e4 clipped to 0.5, then unscaled by
+    65536: an update 65536x too small, silently). A gradient modified in place or replaced since
+    the last block ended, without ``unscale_``, is such a touch: warn once per optimizer."""
+    if st.warned_touched_scaled or not st.scaled_grads:
+        return
+    for param, version in st.scaled_grads:
+        if grad_version(param) != version:
+            st.warned_touched_scaled = True
+            warnings.warn(
+                f"optimizer.step(): a gradient was modified after backward while still multiplied "
+                f"by the loss scale ({st.grad_scale:g}) — clipping or rescaling model.parameters() "
+                "between scale_loss and step() sees scaled values; expected distamp.unscale_("
+                "optimizer) (apex scripts: amp.master_params(optimizer)) before touching them, "
+                "or distamp.clip_grad_norm_(optimizer, max_norm)",
+                stacklevel=3,
+            )
+            return

@@ -421,6 +421,35 @@ def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.incomplete", "junk"]
 
 
+def test_two_saves_killed_in_a_row_leave_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """A save that replaces ``a`` renames it to ``a.old`` and then its own files into ``a``;
+    killed between the two, ``a.old`` is the only complete copy. The next save of ``a`` used to
+    delete ``a.old`` first: killed there too, nothing was left (an audit's repro)."""
+    import distamp.checkpoint.files as files
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 2})
+    real_rename = os.rename
+
+    def killed_at_the_second_rename(src, dst):
+        if str(src).endswith(files.INCOMPLETE):
+            raise KeyboardInterrupt("killed")  # the process dies here
+        real_rename(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", killed_at_the_second_rename)
+    for attempt in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 3 + attempt})
+        found = distamp.latest_checkpoint(tmp_path)
+        assert found is not None, f"no complete checkpoint after killed save {attempt + 1}"
+        assert distamp.checkpoint.inspect(found)["step"] == 2
+    monkeypatch.setattr(files.os, "rename", real_rename)
+    distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 5})
+    assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "a")
+    assert not (tmp_path / "a.old").exists()
+
+
 # -- variants, in one process -----------------------------------------------------------------------
 
 

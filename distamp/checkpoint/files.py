@@ -11,7 +11,11 @@ the two renames still leaves a complete checkpoint on disk.
 
 [Note: verify before reading] On load, the files are hashed against the manifest before DCP opens
 them. That catches truncation and flipped bytes with a message naming the file, and means DCP's
-``.metadata`` (a pickle) is only unpickled when it is byte-for-byte the one distamp wrote.
+``.metadata`` (a pickle) is only unpickled when it matches the manifest. It is no defence
+against someone who can write the checkpoint: they can rewrite the manifest's hashes too, and
+DCP unpickles ``.metadata`` with plain ``pickle`` (torch 2.13), which can run code. Load
+checkpoints you trust, as with any DCP checkpoint; ``distamp.pt`` and ``rng-*.pt`` themselves
+load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -180,10 +184,12 @@ def prepare_tmp(directory: Path) -> Path:
 def commit(tmp: Path, directory: Path) -> None:
     """Rank 0: move the finished ``tmp`` into place; see [Note: atomic checkpoints]."""
     old = directory.with_name(directory.name + OLD)
-    if old.exists():
-        shutil.rmtree(old)
     if directory.exists():
+        if old.exists():  # a leftover of an earlier save: ``directory`` is the newer copy
+            shutil.rmtree(old)
         os.rename(directory, old)
+    # Else ``old`` may be the only complete copy (a save killed between its two renames): it
+    # goes only once the new one is in place, so a second killed save still leaves one.
     os.rename(tmp, directory)
     fsync_dir(directory.parent)
     if old.exists():

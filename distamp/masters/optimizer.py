@@ -262,7 +262,8 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
     if extra is None:
         raise ValueError(
             f"{where}: expected a state dict saved from a distamp-wrapped optimizer (with a "
-            "'distamp' entry), got one without it"
+            "'distamp' entry), got one without it (saved by apex or a plain run?): load it into "
+            "the optimizer before distamp.wrap / amp.initialize, which keeps its state"
         )
     mine, theirs = _shard_of(st), extra.get("shard")
     if "shard" in extra and mine != theirs:  # (state dicts of distamp 0.1 do not say)

@@ -314,13 +314,18 @@ class ScalerGroup:
             st.grad_scale = scale
             st.state = OptState.SCALED
             st.backwards.append(block)
-            st.scaled_grads = [(p, grad_version(p)) for p in st.masters.model_params]
             if attribute:
                 now = st.masters.check()
                 seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)
                 new = now * (1 - seen)
                 block.flag = new if block.flag is None else torch.maximum(block.flag, new)
                 st.seen_nonfinite = torch.maximum(seen, now)
+        # Any backward (also one whose loss another optimizer was passed with) may add to any
+        # pending gradients: refresh every optimizer's record (see [Note: scaled gradients
+        # touched before step()]).
+        for other in self.optimizers:
+            if other.state is OptState.SCALED:
+                other.scaled_grads = [(p, grad_version(p)) for p in other.masters.model_params]
         self._open.append(block)
 
     def forget(self, st: AmpOptimizerState) -> None:

@@ -96,6 +96,13 @@ def check_models(models: list[nn.Module]) -> dict[int, str]:
             if not param.is_floating_point():
                 continue
             floating += 1
+            if param.is_meta:
+                raise ValueError(
+                    f"{where}: parameter {pname!r} is on the meta device, expected real FP32 "
+                    "weights (rank 0's are broadcast and become the masters): materialize the "
+                    "model first (model.to_empty(device=...) and its initialization), then wrap "
+                    "or distamp.fsdp.fully_shard it"
+                )
             if param.dtype != torch.float32:
                 raise ValueError(
                     f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "

@@ -46,6 +46,33 @@ def all_reduce_(
     return tensor
 
 
+def raise_on_every_rank(
+    what: str, error: BaseException | None, group: dist.ProcessGroup | None
+) -> None:
+    """Collective over ``group``: raise on every rank if ``error`` happened on any rank.
+
+    A check that fails on one rank only (a half parameter, a stray optimizer parameter, a model on
+    the meta device, on that rank alone) used to raise there while the other ranks waited in the
+    next collective until the process group's timeout (30 minutes). One all-reduce of a flag; on a
+    failure the messages are gathered. The failing rank raises its own error; the others raise
+    ValueError naming it."""
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    all_reduce_(flag, dist.ReduceOp.MAX, group)
+    if not int(flag.item()):
+        return
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, message, group=group)
+    if error is not None:
+        raise error
+    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise ValueError(f"{what} failed on another rank — {failed}")
+
+
 def check_same_on_all_ranks(
     what: str, facts: Sequence[tuple[str, str]], group: dist.ProcessGroup | None
 ) -> None:

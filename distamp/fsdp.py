@@ -35,7 +35,12 @@ from torch import nn
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
 from .checks import check_models, check_optimizers, fingerprint
-from .collectives import all_reduce_, broadcast_from_rank0_, check_same_on_all_ranks
+from .collectives import (
+    all_reduce_,
+    broadcast_from_rank0_,
+    check_same_on_all_ranks,
+    raise_on_every_rank,
+)
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
@@ -63,6 +68,16 @@ class FSDPParams(ModelGrads):
         self.model_params = params
         self.process_group = process_group
         self.props = props
+
+    def add_group(
+        self, params: list[nn.Parameter], *, fp32_masters: bool = True
+    ) -> list[torch.Tensor]:
+        raise ValueError(
+            "optimizer.add_param_group after distamp.fsdp.fully_shard: not supported yet (FSDP "
+            "has replaced the model's parameters with its sharded ones); expected every "
+            "parameter the optimizer will step to be in it when fully_shard is called (frozen "
+            "ones too: requires_grad=False parameters are not moved)"
+        )
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [_local(p.grad) for p in self.model_params if p.grad is not None]
@@ -274,17 +289,23 @@ def fully_shard(
     assert group is not None
     world = dist.get_world_size(group)
     device_type = casting.device_type_of(model)
-    props = resolve_properties(
-        opt_level,
-        device_type=device_type,
-        half_dtype=half_dtype,
-        world_size=world,
-        shard_master_weights=False,
-        **overrides,
-    )
-    props = dataclasses.replace(props, shard_master_weights=world > 1)
-    names = check_models([model])
-    check_optimizers([optimizer], names)
+    error: Exception | None = None
+    try:
+        props = resolve_properties(
+            opt_level,
+            device_type=device_type,
+            half_dtype=half_dtype,
+            world_size=world,
+            shard_master_weights=False,
+            **overrides,
+        )
+        props = dataclasses.replace(props, shard_master_weights=world > 1)
+        names = check_models([model])
+        check_optimizers([optimizer], names)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    # A check failing on one rank only must not leave the others waiting in the next collective.
+    raise_on_every_rank("distamp.fsdp.fully_shard", error, group)
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )
@@ -383,8 +404,11 @@ def _apply_fsdp2(
     fp32 = MixedPrecisionPolicy(
         param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    block_list = _blocks(model, blocks)
-    for group_of_norms in _group_by_owner(_norm_units(model, props), block_list):
+    norms = _norm_units(model, props)
+    # A norm layer picked as a block (blocks=[Block, RMSNorm], or a callable choosing every module
+    # with parameters) is an FP32 unit already: sharding it twice is refused by torch.
+    block_list = [b for b in _blocks(model, blocks) if not any(b is n for n in norms)]
+    for group_of_norms in _group_by_owner(norms, block_list):
         torch_fully_shard(
             group_of_norms, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward
         )

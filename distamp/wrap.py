@@ -25,7 +25,7 @@ from .checks import (
     module_names,
     same_shape,
 )
-from .collectives import broadcast_from_rank0_, check_same_on_all_ranks
+from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, raise_on_every_rank
 from .config import (
     DISABLED_ATTR,
     HALF_DTYPES,
@@ -123,37 +123,45 @@ def wrap(
             setattr(opt, DISABLED_ATTR, props)
         return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
 
-    props = resolve_properties(
-        opt_level,
-        device_type=device_type,
-        half_dtype=half_dtype,
-        cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions,
-        keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights,
-        loss_scale=loss_scale,
-        cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        verbosity=verbosity,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        shard_master_weights=shard_master_weights,
-        world_size=world_size,
-        max_consecutive_skips=max_consecutive_skips,
-    )
-    names = check_models(model_list)
-    check_optimizers(opt_list, names)
-    wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
-    if props.shard_master_weights:
-        props = _shard_or_replicate(props, given, explicit=shard_master_weights is not None)
-    fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
-    plan = casting.plan_precision(model_list, props, fp32_modules)
-    facts = fingerprint(props, model_list, opt_list)
-    facts.append(("keep_fp32_modules", str(sorted(module_names(model_list, fp32_modules[0])))))
-    facts.append(("FP32 modules", str(sorted(module_names(model_list, list(plan.fp32_modules))))))
+    error: Exception | None = None
+    try:
+        props = resolve_properties(
+            opt_level,
+            device_type=device_type,
+            half_dtype=half_dtype,
+            cast_model_type=cast_model_type,
+            patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            master_weights=master_weights,
+            loss_scale=loss_scale,
+            cast_model_outputs=cast_model_outputs,
+            num_losses=num_losses,
+            verbosity=verbosity,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            shard_master_weights=shard_master_weights,
+            world_size=world_size,
+            max_consecutive_skips=max_consecutive_skips,
+        )
+        names = check_models(model_list)
+        check_optimizers(opt_list, names)
+        wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
+        if props.shard_master_weights:
+            props = _shard_or_replicate(props, given, explicit=shard_master_weights is not None)
+        fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
+        plan = casting.plan_precision(model_list, props, fp32_modules)
+        facts = fingerprint(props, model_list, opt_list)
+        facts.append(("keep_fp32_modules", str(sorted(module_names(model_list, fp32_modules[0])))))
+        facts.append(
+            ("FP32 modules", str(sorted(module_names(model_list, list(plan.fp32_modules)))))
+        )
+        cast_ids = _master_ids(plan, props, opt_list)
+        check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
+    except (ValueError, TypeError) as exc:
+        error = exc
+    # Every rank learns of a check that failed on one rank only (instead of waiting for it).
+    raise_on_every_rank("distamp.wrap", error, group)
     check_same_on_all_ranks("distamp.wrap", facts, group)
-    cast_ids = _master_ids(plan, props, opt_list)
-    check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
     _warn_about_eps(opt_list, props)

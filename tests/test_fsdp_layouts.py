@@ -178,3 +178,59 @@ def test_hsdp_clipping_counts_each_shard_once():
         torch.testing.assert_close(r["norms"], ref["norms"], rtol=1e-5, atol=0)
         for name, value in ref["weights"].items():
             torch.testing.assert_close(r["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = LlamaRMSNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class NormedNet(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([NormedBlock(d) for _ in range(2)])
+        self.norm = LlamaRMSNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _blocks_naming_norms(rank, world, spec):
+    model = NormedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    blocks = {
+        "default": None,
+        "classes with the norm": [NormedBlock, LlamaRMSNorm],
+        "every module with parameters": lambda m: any(True for _ in m.parameters(recurse=False)),
+    }[spec]
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", blocks=blocks, verbosity=0)
+    losses = []
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 3, generator=gen)
+    for _ in range(4):  # one batch, so the loss must fall
+        loss = F.mse_loss(model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4])
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("spec", ["classes with the norm", "every module with parameters"])
+def test_blocks_that_name_norm_layers_train_like_the_default(spec):
+    """Under O2 the norm layers are FP32 units of their own; ``blocks`` naming them too made
+    torch refuse the second fully_shard ("can only be applied to a module once"), leaving the
+    model half-sharded. They are left to their FP32 units now, and train as the default does."""
+    default = run_ranks(_blocks_naming_norms, 2, "default")
+    assert run_ranks(_blocks_naming_norms, 2, spec) == default
+    assert default[0][-1] < default[0][0]

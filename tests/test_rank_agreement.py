@@ -1,5 +1,6 @@
 """Ranks configured differently fail fast at wrap, on every rank, naming the difference — no hang."""
 
+import pytest
 import torch
 from dist_harness import run_ranks
 from models import mlp
@@ -37,3 +38,43 @@ def test_different_parameter_shapes_are_named():
 def test_agreeing_ranks_wrap_normally():
     results = run_ranks(_wrap, 2, {0: ("O2", 16), 1: ("O2", 16)}, timeout=60)
     assert results == [(None, torch.bfloat16), (None, torch.bfloat16)]
+
+
+def _one_rank_fails_locally(rank, world, api, problem):
+    """Rank 1 alone hands over something a local check refuses; rank 0 is fine."""
+    import distamp.fsdp
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 1 and problem == "half parameter":
+        model[0].bfloat16()
+    if rank == 1 and problem == "stray parameter":
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    if rank == 1 and problem == "meta model":
+        model = mlp().to("meta")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        if api == "wrap":
+            distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        else:
+            distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("api", ["wrap", "fsdp"])
+@pytest.mark.parametrize("problem", ["half parameter", "stray parameter", "meta model"])
+def test_a_check_failing_on_one_rank_only_raises_on_every_rank(api, problem):
+    """The failing rank raised while the other waited in the next collective until the process
+    group's timeout (30 minutes; an audit killed both at 45 s): now both raise at once, the other
+    rank naming the failing one and its message."""
+    own, other = run_ranks(_one_rank_fails_locally, 2, api, problem, timeout=90)[::-1]
+    expected = {
+        "half parameter": "has dtype torch.bfloat16, expected torch.float32",
+        "stray parameter": "is not a parameter of the model",
+        "meta model": "is on the meta device, expected real FP32 weights",
+    }[problem]
+    assert own is not None and expected in own
+    assert other is not None and "failed on another rank — rank 1: ValueError" in other
+    assert expected in other

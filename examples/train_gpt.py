@@ -290,7 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'auto': the newest complete checkpoint in --ckpt-dir, if any (what a requeued or "
         "restarted job wants); 'none'; or a checkpoint path. Any world size",
     )
-    ckpt.add_argument("--keep", type=int, default=2, help="checkpoints kept in --ckpt-dir")
+    ckpt.add_argument(
+        "--keep", type=int, default=2, help="checkpoints kept in --ckpt-dir (0: all of them)"
+    )
     ckpt.add_argument(
         "--fail-at-step",
         type=int,
@@ -302,6 +304,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("threads", "keep", "clip", "weight_decay", "bucket_mb"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not args.data_mb > 0:
+        parser.error(f"--data-mb must be > 0, got {args.data_mb}")
+    if args.seq_len + 1 > args.data_mb * 2**20:
+        parser.error(
+            f"--seq-len {args.seq_len}: expected fewer tokens per window than --data-mb "
+            f"{args.data_mb} holds ({int(args.data_mb * 2**20)} bytes)"
+        )
+    if args.reduce_scatter and not args.comm_hook:
+        parser.error("--reduce-scatter is a comm hook: it cannot go with --no-comm-hook")
+    if args.shard_weights and args.opt_level in ("O2", "O3"):
+        parser.error(
+            f"--shard-weights shards FP32 weights (O0/O1); --opt-level {args.opt_level} has "
+            + ("FP32 masters, sharded across ranks already" if args.opt_level == "O2" else "none")
+        )
+    if args.reduce_scatter and args.opt_level in ("O0", "O1") and not args.shard_weights:
+        parser.error(
+            f"--reduce-scatter with --opt-level {args.opt_level} needs sharded FP32 weights: "
+            "add --shard-weights"
+        )
     check_progress_arguments(parser, args, run_name=f"gpt-{args.size}")
     return args
 
@@ -715,6 +741,13 @@ def main() -> None:
     )
 
     args.opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype, world_size)
+    if args.opt_level == "O3" and (
+        args.half_dtype == "fp16" or (args.half_dtype == "auto" and device.type == "cuda")
+    ):
+        # No FP32 masters: AdamW steps fp16 state, where its default eps (1e-8) is 0 and a
+        # squared gradient that underflows divides by it (distamp.wrap warns about it).
+        for group in optimizer.param_groups:
+            group["eps"] = 1e-4
     # FP32 weights sharded: asked for, or auto's choice across ranks on a CPU without bf16 units.
     shard_fp32 = args.opt_level in ("O0", "O1") and (args.shard_weights or "sharded" in why)
     model, optimizer = distamp.wrap(  # distamp
@@ -860,7 +893,8 @@ def main() -> None:
         "median_step_s": statistics.median(timed) if timed else None,
         "mean_step_s": statistics.fmean(timed) if timed else None,
         "tokens_per_s": tokens_per_step / statistics.median(timed) if timed else None,
-        "final_loss": loss_sum.item(),
+        # None when no step ran (resumed at --steps) or the loss is not finite (JSON has no NaN).
+        "final_loss": last if step_times and math.isfinite(last := loss_sum.item()) else None,
         "skipped_steps": st.skipped_steps,
         "loss_scale": st.loss_scales[0],
         "master_bytes": st.master_bytes,
@@ -868,7 +902,7 @@ def main() -> None:
     }
     if is_main and timed:
         print(
-            f"done: {args.steps} steps | final loss {summary['final_loss']:.4f} | median step "
+            f"done: {args.steps} steps | final loss {loss_sum.item():.4f} | median step "
             f"{summary['median_step_s'] * 1e3:.1f} ms (mean {summary['mean_step_s'] * 1e3:.1f}, "
             f"first {WARMUP_STEPS_EXCLUDED} excluded) | {summary['tokens_per_s']:.0f} tok/s | "
             f"skipped {st.skipped_steps} | loss scale {st.loss_scales[0]:g}",

@@ -69,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to start from")
     add_progress_arguments(parser, log_every=5, run_name="gpt-fsdp-SIZE")
     args = parser.parse_args()
+    for name in ("steps", "batch_size", "seq_len", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0 or args.clip < 0 or not args.data_mb > 0:
+        parser.error("expected --lr > 0, --clip >= 0 and --data-mb > 0")
     check_progress_arguments(parser, args, run_name=f"gpt-fsdp-{args.size}")
     return args
 
@@ -97,6 +102,18 @@ def main() -> None:
         extra = distamp.load_checkpoint(args.resume, model, optimizer)  # any world size
         scheduler.load_state_dict(extra["scheduler"])
         first = int(extra["step"]) + 1
+        if rank == 0:
+            print(f"resumed from {args.resume} (step {extra['step']})", flush=True)
+        if first > args.steps:
+            if rank == 0:
+                print(
+                    f"nothing to do: the checkpoint is at step {extra['step']} of --steps "
+                    f"{args.steps} (raise --steps)",
+                    flush=True,
+                )
+            dist.barrier()
+            dist.destroy_process_group()
+            return
     data = RandomWindows(load_stdlib_bytes(int(args.data_mb * 2**20)), args.seq_len, seed=rank)
     if rank == 0:
         # FSDP's FP32 parameter shards: the masters under O2, the weights themselves at O0/O1.

@@ -144,9 +144,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     commit = directory / COMMIT
     if not commit.is_file():
+        inside = sorted(child.name for child in directory.iterdir() if (child / COMMIT).is_file())
         raise CheckpointError(
             f"{directory}: expected a committed distamp checkpoint, found no {COMMIT} file "
-            "(the save did not finish, or this is not a distamp checkpoint)"
+            + (
+                f"but a folder of {len(inside)} checkpoint(s) ({inside[-1]}, ...): pass one of "
+                "them (distamp.latest_checkpoint(folder) picks the newest)"
+                if inside
+                else "(the save did not finish, or this is not a distamp checkpoint)"
+            )
         )
     lines = commit.read_text().split()
     if len(lines) != 3 or lines[0] != FORMAT or lines[1] != "sha256":

@@ -1,0 +1,46 @@
+"""The example refuses contradictory or out-of-range flags by name, before any process group
+(an audit's list: these used to fail deep inside torch, or were silently ignored)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from train_gpt import parse_args
+
+BAD = {
+    "negative threads": (["--threads", "-1"], "--threads must be >= 0"),
+    "no data": (["--data-mb", "0"], "--data-mb must be > 0"),
+    "negative lr": (["--lr=-1e-3"], "--lr must be > 0"),
+    "negative clip": (["--clip", "-1"], "--clip must be >= 0"),
+    "negative weight decay": (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    "window longer than the data": (
+        ["--seq-len", "600000", "--data-mb", "0.5"],
+        "--seq-len 600000: expected fewer tokens per window than --data-mb 0.5",
+    ),
+    "reduce-scatter without a hook": (
+        ["--reduce-scatter", "--no-comm-hook"],
+        "--reduce-scatter is a comm hook",
+    ),
+    "shard-weights at O3": (["--shard-weights", "--opt-level", "O3"], "--shard-weights shards"),
+    "reduce-scatter at O1 unsharded": (
+        ["--reduce-scatter", "--opt-level", "O1"],
+        "add --shard-weights",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_flag_is_refused_by_name(name, capsys):
+    argv, message = BAD[name]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_good_combinations_parse():
+    assert parse_args(["--reduce-scatter", "--opt-level", "O1", "--shard-weights"]).shard_weights
+    assert parse_args(["--keep", "0", "--clip", "0", "--threads", "0"]).keep == 0

@@ -784,21 +784,6 @@ def main() -> None:
         elif args.comm_hook and (args.opt_level != "O0" or "auto" in why):
             distamp.hooks.register(train_model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
-    first_step = 1
-    resume_from = find_resume(args)
-    if resume_from is not None:
-        extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
-        scheduler.load_state_dict(extra["scheduler"])
-        first_step = int(extra["step"]) + 1
-        if is_main:
-            print(f"resumed from {resume_from} (step {extra['step']})", flush=True)
-            if first_step > args.steps:
-                print(
-                    f"nothing to do: the checkpoint is at step {extra['step']} of --steps "
-                    f"{args.steps} (raise --steps, or pass --resume none to start over)",
-                    flush=True,
-                )
-
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_len
@@ -817,6 +802,21 @@ def main() -> None:
             f" x {args.grad_accum} micro-batches per step",
             flush=True,
         )
+
+    first_step = 1
+    resume_from = find_resume(args)
+    if resume_from is not None:
+        extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
+        scheduler.load_state_dict(extra["scheduler"])
+        first_step = int(extra["step"]) + 1
+        if is_main:
+            print(f"resumed from {resume_from} (step {extra['step']})", flush=True)
+            if first_step > args.steps:
+                print(
+                    f"nothing to do: the checkpoint is at step {extra['step']} of --steps "
+                    f"{args.steps} (raise --steps, or pass --resume none to start over)",
+                    flush=True,
+                )
 
     progress = Progress(
         args, enabled=is_main, first_step=first_step, tokens_per_step=tokens_per_step

@@ -92,7 +92,16 @@ def main() -> None:
     cfg = GPTConfig(block_size=args.seq_len, **SIZES[args.size])
     model = GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    # The same param groups as examples/train_gpt.py (no weight decay on vectors), so that an O1
+    # checkpoint of either example loads into the other.
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     model, optimizer = distamp.fsdp.fully_shard(  # distamp: FSDP2 with the opt_level's policy
         model, optimizer, opt_level=opt_level, half_dtype=half
     )
@@ -102,8 +111,6 @@ def main() -> None:
         extra = distamp.load_checkpoint(args.resume, model, optimizer)  # any world size
         scheduler.load_state_dict(extra["scheduler"])
         first = int(extra["step"]) + 1
-        if rank == 0:
-            print(f"resumed from {args.resume} (step {extra['step']})", flush=True)
         if first > args.steps:
             if rank == 0:
                 print(
@@ -127,6 +134,8 @@ def main() -> None:
             f"opt_level {opt_level}{why} | {fp32 / 1e6:.2f} MB of FP32 shards per rank",
             flush=True,
         )
+        if args.resume is not None:
+            print(f"resumed from {args.resume} (step {first - 1})", flush=True)
     progress = Progress(
         args,
         enabled=rank == 0,

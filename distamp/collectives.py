@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,16 +47,21 @@ def all_reduce_(
     return tensor
 
 
-def raise_on_every_rank(
-    what: str, error: BaseException | None, group: dist.ProcessGroup | None
-) -> None:
-    """Collective over ``group``: raise on every rank if ``error`` happened on any rank.
+@contextlib.contextmanager
+def checks_on_every_rank(what: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Collective over ``group``: run the block's local checks, then raise on every rank if one
+    raised (ValueError/TypeError) on any rank.
 
     A check that fails on one rank only (a half parameter, a stray optimizer parameter, a model on
     the meta device, on that rank alone) used to raise there while the other ranks waited in the
     next collective until the process group's timeout (30 minutes). One all-reduce of a flag; on a
     failure the messages are gathered. The failing rank raises its own error; the others raise
     ValueError naming it."""
+    error: Exception | None = None
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        error = exc
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error

@@ -39,7 +39,7 @@ from .collectives import (
     all_reduce_,
     broadcast_from_rank0_,
     check_same_on_all_ranks,
-    raise_on_every_rank,
+    checks_on_every_rank,
 )
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
@@ -289,8 +289,8 @@ def fully_shard(
     assert group is not None
     world = dist.get_world_size(group)
     device_type = casting.device_type_of(model)
-    error: Exception | None = None
-    try:
+    # A check failing on one rank only must not leave the others waiting in the next collective.
+    with checks_on_every_rank("distamp.fsdp.fully_shard", group):
         props = resolve_properties(
             opt_level,
             device_type=device_type,
@@ -302,10 +302,6 @@ def fully_shard(
         props = dataclasses.replace(props, shard_master_weights=world > 1)
         names = check_models([model])
         check_optimizers([optimizer], names)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    # A check failing on one rank only must not leave the others waiting in the next collective.
-    raise_on_every_rank("distamp.fsdp.fully_shard", error, group)
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )

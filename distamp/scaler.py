@@ -324,7 +324,7 @@ class ScalerGroup:
         # pending gradients: refresh every optimizer's record (see [Note: scaled gradients
         # touched before step()]).
         for other in self.optimizers:
-            if other.state is OptState.SCALED:
+            if other.state is OptState.SCALED and not other.warned_touched_scaled:
                 other.scaled_grads = [(p, grad_version(p)) for p in other.masters.model_params]
         self._open.append(block)
 

@@ -25,7 +25,7 @@ from .checks import (
     module_names,
     same_shape,
 )
-from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, raise_on_every_rank
+from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, checks_on_every_rank
 from .config import (
     DISABLED_ATTR,
     HALF_DTYPES,
@@ -123,8 +123,8 @@ def wrap(
             setattr(opt, DISABLED_ATTR, props)
         return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
 
-    error: Exception | None = None
-    try:
+    # Every rank learns of a check that failed on one rank only (instead of waiting for it).
+    with checks_on_every_rank("distamp.wrap", group):
         props = resolve_properties(
             opt_level,
             device_type=device_type,
@@ -157,10 +157,6 @@ def wrap(
         )
         cast_ids = _master_ids(plan, props, opt_list)
         check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
-    except (ValueError, TypeError) as exc:
-        error = exc
-    # Every rank learns of a check that failed on one rank only (instead of waiting for it).
-    raise_on_every_rank("distamp.wrap", error, group)
     check_same_on_all_ranks("distamp.wrap", facts, group)
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)

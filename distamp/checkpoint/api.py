@@ -21,7 +21,7 @@ from ..masters.layout import slice_state
 from ..masters.optimizer import inner_optimizer
 from ..masters.sharded import ShardedMasterParams
 from ..optstate import OptState
-from . import files
+from . import files, metadata
 from .files import CheckpointError, PathLike, agree
 from .state import (
     FlatGroup,
@@ -153,7 +153,7 @@ def save_checkpoint(
     with files.quiet_single_process(not target.distributed()):
         dcp.save(
             state_dict,
-            storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True),
+            storage_writer=metadata.Writer(tmp, sync_files=True, single_file_per_rank=True),
             process_group=pg,
             no_dist=not target.distributed(),
         )
@@ -374,6 +374,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
         lambda: files.verify_share(directory, manifest["files"], target.rank, target.world),
         pg,
     )
+    agree("load_checkpoint: reading the metadata", lambda: metadata.read(directory), pg)
     dest, install = agree(
         "load_checkpoint: preparing buffers", lambda: _destination(manifest, target), pg
     )
@@ -381,7 +382,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
         with files.quiet_single_process(not target.distributed()):
             dcp.load(
                 dest,
-                storage_reader=dcp.FileSystemReader(directory),
+                storage_reader=metadata.Reader(directory),
                 process_group=pg,
                 no_dist=not target.distributed(),
             )

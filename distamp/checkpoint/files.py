@@ -10,12 +10,10 @@ the old one to ``<directory>.old`` first and deletes it only after the rename, s
 the two renames still leaves a complete checkpoint on disk.
 
 [Note: verify before reading] On load, the files are hashed against the manifest before DCP opens
-them. That catches truncation and flipped bytes with a message naming the file, and means DCP's
-``.metadata`` (a pickle) is only unpickled when it matches the manifest. It is no defence
-against someone who can write the checkpoint: they can rewrite the manifest's hashes too, and
-DCP unpickles ``.metadata`` with plain ``pickle`` (torch 2.13), which can run code. Load
-checkpoints you trust, as with any DCP checkpoint; ``distamp.pt`` and ``rng-*.pt`` themselves
-load with ``weights_only=True``.
+them. That catches truncation and flipped bytes with a message naming the file. No file of a
+checkpoint is unpickled: ``distamp.pt`` and ``rng-*.pt`` load with ``weights_only=True``, DCP's
+``.distcp`` files hold tensors that DCP reads with ``weights_only=True``, and its ``.metadata`` is
+written and read as plain data (see [Note: no pickle in a checkpoint] in metadata.py).
 """
 
 from __future__ import annotations
@@ -35,7 +33,8 @@ import torch.distributed as dist
 PathLike = str | os.PathLike[str]
 """A checkpoint directory, as a string or a path."""
 
-FORMAT = "distamp.checkpoint/1"
+FORMAT = "distamp.checkpoint/2"
+"""/2: DCP's ``.metadata`` as plain data (/1 pickled it; not read)."""
 MANIFEST = "distamp.pt"
 COMMIT = "COMMIT"
 INCOMPLETE = ".incomplete"
@@ -155,6 +154,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             )
         )
     lines = commit.read_text().split()
+    if lines[:1] == ["distamp.checkpoint/1"]:
+        raise CheckpointError(
+            f"{commit}: expected format '{FORMAT}', found 'distamp.checkpoint/1': a checkpoint "
+            "of an earlier distamp, whose DCP metadata is a pickle that this version does not "
+            "unpickle (consolidate it with that version, then load the FP32 state dict)"
+        )
     if len(lines) != 3 or lines[0] != FORMAT or lines[1] != "sha256":
         raise CheckpointError(
             f"{commit}: expected '{FORMAT}' and the manifest's SHA-256, found {lines[:3]!r}"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from . import files
+from . import files, metadata
 from .files import CheckpointError, PathLike
 from .state import flat_starts, numel
 
@@ -19,8 +19,9 @@ from .state import flat_starts, numel
 def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
     manifest = files.read_manifest(directory)
     files.verify_share(directory, manifest["files"], 0, 1)
+    metadata.read(directory)  # a clear error before DCP's
     with files.quiet_single_process(True):
-        dcp.load(dest, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        dcp.load(dest, storage_reader=metadata.Reader(directory), no_dist=True)
 
 
 def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:

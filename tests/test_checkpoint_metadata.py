@@ -1,0 +1,149 @@
+"""No pickle in a checkpoint: DCP's ``.metadata`` is written as plain data and read with
+``weights_only=True`` (see [Note: no pickle in a checkpoint] in distamp/checkpoint/metadata.py)."""
+
+import dataclasses
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from torch import nn
+
+import distamp
+from distamp.checkpoint import CheckpointError, consolidate
+from distamp.checkpoint import files as ckfiles
+from distamp.checkpoint import metadata as ckmeta
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.LayerNorm(10), nn.Linear(10, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+
+
+def train_and_save(rank, world, directory):
+    model, opt = build()
+    torch.manual_seed(rank)
+    for _ in range(2):
+        loss = model(torch.randn(4, 6)).float().pow(2).mean()
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        for p in model.parameters():  # no DDP: average by hand, as the ranks must agree
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, model, opt)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def load(rank, world, directory):
+    model, opt = build()
+    try:
+        distamp.load_checkpoint(directory, model, opt)
+    except CheckpointError as exc:
+        return str(exc)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ck") / "step_2"
+    states = run_ranks(train_and_save, 2, str(directory))
+    return directory, states[0]
+
+
+def test_every_file_but_dcps_tensor_files_loads_with_weights_only(saved):
+    directory, _ = saved
+    names = sorted(p.name for p in directory.iterdir())
+    assert ".metadata" in names and "distamp.pt" in names, names
+    for name in names:
+        if name.endswith(".distcp") or name == ckfiles.COMMIT:
+            continue  # DCP's tensor files (each tensor read with weights_only=True) / a text file
+        torch.load(directory / name, weights_only=True)  # raises on anything but plain data
+    saved_meta = torch.load(directory / ".metadata", weights_only=True)
+    assert saved_meta["format"] == ckmeta.METADATA_FORMAT
+
+
+def test_the_metadata_round_trips_and_still_reshards(saved, tmp_path):
+    directory, state = saved
+    meta = ckmeta.read(directory)
+    assert ckmeta.decode(ckmeta.encode(meta)) == meta
+    tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
+    assert tensors and any(len(v.chunks) == 2 for v in tensors.values()), "sharded pieces"
+    # Resharding reads the metadata: 2 ranks wrote it, 1 and 3 ranks load it.
+    for world in (1, 3):
+        for rank, loaded in enumerate(run_ranks(load, world, str(directory))):
+            assert not isinstance(loaded, str), loaded
+            for key, value in state.items():
+                assert torch.equal(loaded[key], value), (world, rank, key)
+    assert set(consolidate(directory)) == set(state)
+
+
+class _Touch:
+    """What a hostile pickle does when it is unpickled: here, create a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_pickled_metadata_is_refused_without_being_unpickled(saved, tmp_path):
+    """Someone who can write the checkpoint rewrites .metadata as a pickle (what plain DCP
+    writes, here with a payload) and the manifest's and COMMIT's hashes to match: loading and
+    consolidating refuse it by name, and the payload never runs."""
+    directory, _ = saved
+    tampered = tmp_path / "tampered"
+    marker = tmp_path / "payload-ran"
+    shutil.copytree(directory, tampered)
+    meta = ckmeta.read(directory)
+    meta.planner_data = _Touch(marker)
+    (tampered / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = torch.load(tampered / ckfiles.MANIFEST, weights_only=True)
+    path = tampered / ".metadata"
+    manifest["files"][".metadata"] = [path.stat().st_size, ckfiles.sha256_file(path)]
+    (tampered / ckfiles.MANIFEST).unlink()
+    (tampered / ckfiles.COMMIT).unlink()
+    ckfiles.write_manifest_and_commit(tampered, manifest)
+
+    for message in run_ranks(load, 2, str(tampered)):
+        assert isinstance(message, str), "the tampered checkpoint loaded"
+        assert "expected DCP metadata saved as plain data" in message, message
+        assert "does not unpickle" in message, message
+    with pytest.raises(CheckpointError, match=r"\.metadata: expected DCP metadata saved as plain"):
+        consolidate(tampered)
+    assert not marker.exists(), "the pickle's payload ran"
+
+
+def test_decoding_builds_only_the_allowlisted_classes():
+    index = ckmeta.encode(torch.distributed.checkpoint.metadata.MetadataIndex("w", torch.Size([0])))
+    assert ckmeta.decode(index).fqn == "w"
+    hostile = dict(index, **{"class": "Popen"})
+    with pytest.raises(
+        ValueError, match=r"expected one of \[.*'MetadataIndex'.*found class 'Popen'"
+    ):
+        ckmeta.decode(hostile)
+    with pytest.raises(ValueError, match=r"expected a torch dtype name, found 'Tensor'"):
+        ckmeta.decode({"t": "dtype", "v": "Tensor"})
+    with pytest.raises(ValueError, match=r"MetadataIndex has no field\(s\) \['extra'\]"):
+        ckmeta.decode(dict(index, v=dict(index["v"], extra=1)))
+    with pytest.raises(TypeError, match=r"at metadata\[0\], found builtins\.object"):
+        ckmeta.encode([object()])
+    props = torch.distributed.checkpoint.metadata.TensorProperties(dtype=torch.bfloat16)
+    again = ckmeta.decode(ckmeta.encode(props))
+    assert dataclasses.astuple(again) == dataclasses.astuple(props)
+
+
+def test_a_checkpoint_of_format_1_is_refused_by_name(saved, tmp_path):
+    directory, _ = saved
+    old = tmp_path / "old"
+    shutil.copytree(directory, old)
+    commit = old / ckfiles.COMMIT
+    commit.write_text(commit.read_text().replace(ckfiles.FORMAT, "distamp.checkpoint/1"))
+    with pytest.raises(CheckpointError, match=r"found 'distamp\.checkpoint/1': a checkpoint of an"):
+        consolidate(old)

@@ -68,8 +68,12 @@ def same_shape(
     return out_models, (opts if opts_listed else opts[0])
 
 
-def check_models(models: list[nn.Module]) -> dict[int, str]:
-    """Refuse models wrapped already, under DDP/FSDP, or holding half weights; return param names."""
+def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int, str]:
+    """Refuse models wrapped already, under DDP/FSDP, or holding half weights; return param names.
+
+    ``meta_ok`` (``distamp.fsdp.fully_shard``): a model whose floating-point parameters are all on
+    the meta device passes (see [Note: meta-device models under FSDP] in fsdp.py); one with some
+    on the meta device and some not never does."""
     names: dict[int, str] = {}
     for i, model in enumerate(models):
         where = "model" if len(models) == 1 else f"models[{i}]"
@@ -90,18 +94,26 @@ def check_models(models: list[nn.Module]) -> dict[int, str]:
                 "the plain model first, then wrap the result with DDP/FSDP"
             )
         floating = 0
+        all_meta = meta_ok and all(p.is_meta for p in model.parameters() if p.is_floating_point())
         for pname, param in model.named_parameters():
             qualified = pname if len(models) == 1 else f"models[{i}].{pname}"
             names.setdefault(id(param), qualified)
             if not param.is_floating_point():
                 continue
             floating += 1
-            if param.is_meta:
+            if param.is_meta and not all_meta:
+                if meta_ok:
+                    raise ValueError(
+                        f"{where}: parameter {pname!r} is on the meta device and others are not; "
+                        "expected every parameter on the meta device (materialized after "
+                        "distamp.fsdp.fully_shard with model.to_empty(device=...) and your "
+                        "initialization) or none"
+                    )
                 raise ValueError(
                     f"{where}: parameter {pname!r} is on the meta device, expected real FP32 "
                     "weights (rank 0's are broadcast and become the masters): materialize the "
                     "model first (model.to_empty(device=...) and its initialization), then wrap "
-                    "or distamp.fsdp.fully_shard it"
+                    "it (distamp.fsdp.fully_shard takes a model wholly on the meta device)"
                 )
             if param.dtype != torch.float32:
                 raise ValueError(
@@ -205,7 +217,10 @@ def fingerprint(
     facts.append(("number of models", str(len(models))))
     for i, model in enumerate(models):
         for name, param in model.named_parameters():
-            facts.append((f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}"))
+            meta = " (meta device)" if param.is_meta else ""
+            facts.append(
+                (f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}{meta}")
+            )
     for i, opt in enumerate(optimizers):
         facts.append((f"optimizers[{i}] class", type(opt).__name__))
         sizes = [len(g["params"]) for g in opt.param_groups]

@@ -289,6 +289,9 @@ def fully_shard(
     assert group is not None
     world = dist.get_world_size(group)
     device_type = casting.device_type_of(model)
+    on_meta = device_type == "meta"
+    if on_meta:  # see [Note: meta-device models under FSDP]: the device they will be made on
+        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     # A check failing on one rank only must not leave the others waiting in the next collective.
     with checks_on_every_rank("distamp.fsdp.fully_shard", group):
         props = resolve_properties(
@@ -300,7 +303,7 @@ def fully_shard(
             **overrides,
         )
         props = dataclasses.replace(props, shard_master_weights=world > 1)
-        names = check_models([model])
+        names = check_models([model], meta_ok=True)
         check_optimizers([optimizer], names)
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
@@ -309,7 +312,16 @@ def fully_shard(
     # FSDP shards each rank's own weights: rank 0's become everyone's first, as DDP would do.
     from .wrap import _states_of
 
-    broadcast_from_rank0_(_states_of([model]), group)
+    # [Note: meta-device models under FSDP] torchtitan's habit for models larger than one rank:
+    # build the model on the meta device, shard it, then ``model.to_empty(device=...)`` and
+    # initialize the weights, each rank its own shard (DTensor's random ops keep the ranks'
+    # shards parts of one tensor). FSDP's sharded FP32 parameters are the masters here, so there
+    # is nothing to copy at this point: the policies, the FP32 norm units and the scaler are
+    # set up on the meta parameters, to_empty keeps the parameter objects (the optimizer's
+    # references stay valid), and the weights are whatever the initialization writes — rank
+    # 0's are not broadcast (there are none yet).
+    if not on_meta:
+        broadcast_from_rank0_(_states_of([model]), group)
 
     _set_forward_classes(model, props, device_type)
     if api == "fsdp2":

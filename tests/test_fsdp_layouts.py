@@ -1,6 +1,7 @@
 """distamp.fsdp.fully_shard on layouts users bring: MoE experts in a ModuleList inside each block
 (sharded innermost first), a norm class of the user's own (Llama's RMSNorm) kept FP32, an HSDP 2-D
-mesh whose clipping counts each shard once, and per-rank seeds that end as rank 0's model."""
+mesh whose clipping counts each shard once, per-rank seeds that end as rank 0's model, and a model
+built on the meta device (torchtitan's habit), materialized after sharding."""
 
 import pytest
 import torch
@@ -62,15 +63,37 @@ def full_weights(model):
     return {k: v.detach().float().clone() for k, v in full.items()}
 
 
+def materialize(model):
+    """torchtitan's habit after sharding a meta-device model: ``to_empty``, then every rank writes
+    its own shard — here of the weights MoENet(seed=1337) starts from (as a loaded checkpoint
+    would be)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model.to_empty(device="cpu")
+    reference = dict(MoENet(seed=1337).named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = reference[name].detach()
+            param.to_local().copy_(
+                distribute_tensor(full, param.device_mesh, param.placements).to_local()
+            )
+
+
 def moe_run(rank, world, mode, per_rank_seed=False, steps=6):
-    model = MoENet(seed=1337 + rank if per_rank_seed else 1337)
+    if mode == "fsdp, meta device":
+        with torch.device("meta"):
+            model = MoENet()
+    else:
+        model = MoENet(seed=1337 + rank if per_rank_seed else 1337)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norm_dtypes = []
     model.blocks[0].norm.register_forward_hook(
         lambda m, args, out: norm_dtypes.append((m.weight.dtype, args[0].dtype, out.dtype))
     )
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+        if mode == "fsdp, meta device":
+            materialize(model)
         train_model = model
         units = [type(m).__name__ for m in model.blocks[0].experts]
     else:
@@ -85,7 +108,7 @@ def moe_run(rank, world, mode, per_rank_seed=False, steps=6):
         distamp.clip_grad_norm_(opt, 1.0)
         opt.step()
         opt.zero_grad()
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         weights = full_weights(model)
     else:
         st = opt._distamp
@@ -99,6 +122,7 @@ def moe_runs(rank, world):
         "fsdp": moe_run(rank, world, "fsdp"),
         "fsdp, seeded per rank": moe_run(rank, world, "fsdp", per_rank_seed=True),
         "ddp": moe_run(rank, world, "ddp"),
+        "fsdp, meta device": moe_run(rank, world, "fsdp, meta device"),
     }
 
 
@@ -134,6 +158,38 @@ def test_per_rank_seeds_shard_rank_0s_model(moe):
         assert_same(
             moe[r]["fsdp, seeded per rank"]["weights"], moe[0]["fsdp"]["weights"], f"rank {r}"
         )
+
+
+def test_a_model_built_on_the_meta_device_trains_as_the_materialized_one(moe):
+    """Built on the meta device, sharded, then ``to_empty`` and each rank's shard written: the
+    optimizer's references survive to_empty, the norm stays an FP32 unit, and training is bit for
+    bit that of the same weights built in memory (nothing is broadcast: there is nothing yet)."""
+    for r in range(2):
+        meta = moe[r]["fsdp, meta device"]
+        assert meta["norm_dtypes"] == (torch.float32, torch.bfloat16, torch.bfloat16)
+        assert_same(meta["weights"], moe[0]["fsdp"]["weights"], f"rank {r}")
+
+
+def _partly_meta(rank, world):
+    model = MoENet()
+    model.out.to("meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(
+        ValueError, match=r"parameter 'out.weight' is on the meta device and others"
+    ):
+        distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    with torch.device("meta"):
+        model = MoENet() if rank == 1 else None
+    model = model or MoENet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"parameter 'inp.weight'.*\(meta device\)") as info:
+        distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    return str(info.value)
+
+
+def test_a_model_partly_on_the_meta_device_or_on_one_rank_only_is_refused():
+    for message in run_ranks(_partly_meta, 2):
+        assert "rank 1" in message, message
 
 
 def hsdp_run(rank, world, steps=3):

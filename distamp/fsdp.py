@@ -72,12 +72,11 @@ class FSDPParams(ModelGrads):
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]:
-        raise ValueError(
-            "optimizer.add_param_group after distamp.fsdp.fully_shard: not supported yet (FSDP "
-            "has replaced the model's parameters with its sharded ones); expected every "
-            "parameter the optimizer will step to be in it when fully_shard is called (frozen "
-            "ones too: requires_grad=False parameters are not moved)"
-        )
+        """``optimizer.add_param_group`` (progressive unfreezing): FSDP's sharded parameters of
+        the model are their own masters, stepped as they are, unscaled and checked like the
+        first ones."""
+        self.model_params.extend(params)
+        return list(params)
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [_local(p.grad) for p in self.model_params if p.grad is not None]

@@ -256,7 +256,8 @@ class ScalerGroup:
                 raise ValueError(
                     f"{where}: params[{k}] (shape {tuple(param.shape)}, dtype {param.dtype}) is "
                     "not a parameter of the model(s) passed to distamp.wrap: expected parameters "
-                    "of the wrapped model(s)"
+                    "of the wrapped model(s) (after distamp.fsdp.fully_shard, read them from the "
+                    "sharded model: FSDP replaced the parameter objects)"
                 )
             if id(param) in held:
                 owner = self.optimizers[held[id(param)]]

@@ -192,6 +192,48 @@ def test_a_model_partly_on_the_meta_device_or_on_one_rank_only_is_refused():
         assert "rank 1" in message, message
 
 
+def _unfreeze(rank, world, late):
+    """Progressive unfreezing: the optimizer starts with the head; the blocks join at step 3 by
+    ``add_param_group`` (``late``), or are in their own group from the start with no gradient
+    (None: AdamW leaves them alone) until step 3 — the same arithmetic by another path."""
+    model = MoENet(seed=1337)
+    head = [p for n, p in model.named_parameters() if not n.startswith("blocks")]
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks")]
+    groups = [{"params": head}] + ([] if late else [{"params": blocks, "lr": 3e-3}])
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    stale = None
+    if late and rank == 0:
+        try:
+            opt.add_param_group({"params": blocks[:1]})  # the objects from before fully_shard
+        except ValueError as exc:
+            stale = str(exc)
+    for step in range(6):
+        if step == 3 and late:
+            sharded = [p for n, p in model.named_parameters() if n.startswith("blocks")]
+            opt.add_param_group({"params": sharded, "lr": 3e-3})
+        x, y = batch(step, rank, world)
+        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        if step < 3:
+            for p in model.blocks.parameters():
+                p.grad = None
+        opt.step()
+        opt.zero_grad()
+    return full_weights(model), len(opt.param_groups), distamp.stats(opt).steps, stale
+
+
+def test_add_param_group_after_fully_shard_unfreezes_like_a_group_held_from_the_start():
+    late = run_ranks(_unfreeze, 2, True)
+    early = run_ranks(_unfreeze, 2, False)
+    for r in range(2):
+        assert late[r][1:3] == early[r][1:3] == (2, 6)
+        assert_same(late[r][0], early[r][0], f"rank {r}")
+    start = MoENet(seed=1337).state_dict()
+    assert not torch.equal(late[0][0]["blocks.0.router.weight"], start["blocks.0.router.weight"])
+    assert "FSDP replaced the parameter objects" in late[0][3]
+
+
 def hsdp_run(rank, world, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
 

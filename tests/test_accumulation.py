@@ -76,3 +76,29 @@ def test_accumulating_micro_batches_equals_one_large_batch(level, tol):
     # O2: bf16 gradients are accumulated in bf16 between micro-batches).
     for a, b in zip(acc["params"], large[0]["params"], strict=True):
         assert ((a - b).norm() / b.norm()).item() < tol
+
+
+def _zeroed_in_place(rank, world, level, set_to_none):
+    """DDP's recommended gradient_as_bucket_view=True with zero_grad(set_to_none=False): the grads
+    are views of DDP's buckets, which torch's zero_grad zeroes without detaching in place."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    for x, y in data(3, 4 * world):
+        per = x.shape[0] // world
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_zero_grad_in_place_on_ddp_bucket_views_trains_as_set_to_none(level):
+    in_place = run_ranks(_zeroed_in_place, 2, level, False)
+    to_none = run_ranks(_zeroed_in_place, 2, level, True)
+    for name, value in to_none[0].items():
+        assert torch.equal(in_place[0][name], value), name
+        assert torch.equal(in_place[1][name], value), name

@@ -66,8 +66,11 @@ class ModelGrads:
                 continue
             if set_to_none:
                 param.grad = None
-            else:
-                param.grad.detach_()
+            else:  # as torch's zero_grad: a DDP bucket view cannot be detached in place
+                if param.grad.grad_fn is not None:
+                    param.grad.detach_()
+                else:
+                    param.grad.requires_grad_(False)
                 param.grad.zero_()
         self.release_master_grads()
 

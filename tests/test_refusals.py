@@ -278,3 +278,44 @@ def test_channels_last_before_wrap_trains_and_the_lost_format_is_said():
     for messages, moved in run_ranks(_zero_or_layout, 2, "channels_last before wrap"):
         assert moved > 0
         assert any("['conv.weight']" in m and "channels_last" in m for m in messages), messages
+
+
+def _step_twice(level, hook=None, rank=0, world=1):
+    torch.manual_seed(0)
+    model = NormMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    train = model
+    if hook is not None:
+        train = nn.parallel.DistributedDataParallel(model)
+        distamp.hooks.register(train, opt, reduce_scatter=hook == "reduce-scatter")
+    x = torch.randn(4, NormMLP().fc1.in_features)
+    with distamp.scale_loss(train(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    after_one = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"step\(\) was called again on the gradients the prev"):
+        opt.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, after_one[key]), key
+    # After a new backward it steps again as before.
+    with distamp.scale_loss(train(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return distamp.stats(opt).steps
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_a_second_step_on_the_same_gradients_is_refused(level):
+    """An audit's O2 second step() took the model's still-scaled half grads as unscaled: an
+    update 65536x too large. GradScaler refuses a second step() before update(); so do we."""
+    assert _step_twice(level) == 2
+
+
+def _step_twice_on_ranks(rank, world, hook):
+    return _step_twice("O2", hook, rank, world)
+
+
+@pytest.mark.parametrize("hook", ["all-reduce", "reduce-scatter"])
+def test_a_second_step_is_refused_on_every_rank_with_hooks(hook):
+    assert run_ranks(_step_twice_on_ranks, 2, hook) == [2, 2]

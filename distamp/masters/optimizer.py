@@ -60,6 +60,9 @@ class AmpOptimizerState:
         """(parameter, grad_version) of every model gradient at the end of the last scale_loss
         block: see [Note: scaled gradients touched before step()]."""
         self.warned_touched_scaled = False
+        self.stepped_grads: list[tuple[int, int] | None] | None = None
+        """grad_version of every model gradient right after the last step(): see [Note: a second
+        step() on the same gradients]."""
 
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
@@ -106,6 +109,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                     "step: run backward on the loss inside `with distamp.scale_loss(loss, "
                     "optimizer) as scaled_loss:` first"
                 )
+            _refuse_a_second_step_on_the_same_gradients(st)
             if not st.warned_unscaled_step:
                 warnings.warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
@@ -135,6 +139,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                     step_in_rounds(self, st.masters, in_rounds)  # type: ignore[arg-type]
         finally:
             st.reset()
+            st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
         return None
 
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
@@ -343,6 +348,27 @@ class AmpOptimizerWrapper:
 def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
     """A subclass of ``cls`` with :class:`AmpOptimizer` in front; same name, so reprs read as before."""
     return type(cls.__name__, (AmpOptimizer, cls), {"__module__": cls.__module__})
+
+
+def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
+    """[Note: a second step() on the same gradients] A step() with no backward since the last one
+    finds the gradients that step used, in whatever state it left them: under O2/O3 the model's
+    half ``.grad`` still carry the loss scale (only their FP32 copies were unscaled), with the
+    reduce-scatter hook they are this rank's own unreduced ones, after a skipped step they hold
+    the inf. Taking them as fresh unscaled gradients made an audit's O2 update 65536x too large.
+    torch's GradScaler refuses a second step() before update(); so does distamp, at every
+    opt_level: the same gradients, unchanged since the last step(), are refused by name."""
+    if st.stepped_grads is None:
+        return
+    now = [grad_version(p) for p in st.masters.model_params]
+    if now == st.stepped_grads and any(v is not None for v in now):
+        raise RuntimeError(
+            "optimizer.step() was called again on the gradients the previous step() used (no "
+            "backward since, the .grad unchanged); expected a backward inside distamp.scale_loss "
+            "before each step (torch.amp.GradScaler refuses a second step() before update() "
+            "too). The previous step's gradients are not reusable: they may still carry the "
+            f"loss scale (opt_level {st.group.props.opt_level}) or be this rank's unreduced ones"
+        )
 
 
 def _warn_if_scaled_grads_touched(st: AmpOptimizerState) -> None:

@@ -137,13 +137,13 @@ class LossScaler:
             "consecutive_skips": self.consecutive_skips,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch."""
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` would load ``state`` (changes
+        nothing: callers check every part of a state before loading any)."""
         expected = {"dynamic", "scale", "clean_steps", "hysteresis_left", "consecutive_skips"}
-        if set(state) != expected:
-            raise ValueError(
-                f"loss scaler state: expected keys {sorted(expected)}, got {sorted(state)}"
-            )
+        if not isinstance(state, dict) or set(state) != expected:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"loss scaler state: expected keys {sorted(expected)}, got {found}")
         if bool(state["dynamic"]) != self.dynamic:
             raise ValueError(
                 f"loss scaler state: saved with a {'dynamic' if state['dynamic'] else 'static'} "
@@ -152,7 +152,16 @@ class LossScaler:
         scale = float(state["scale"])
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"loss scaler state: expected a positive finite scale, got {scale}")
-        self.scale = scale
+        for key in ("clean_steps", "hysteresis_left", "consecutive_skips"):
+            if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+                raise ValueError(
+                    f"loss scaler state: expected a count >= 0 for {key!r}, got {state[key]!r}"
+                )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch."""
+        self.check_state(state)
+        self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.consecutive_skips = int(state["consecutive_skips"])

@@ -319,3 +319,48 @@ def _step_twice_on_ranks(rank, world, hook):
 @pytest.mark.parametrize("hook", ["all-reduce", "reduce-scatter"])
 def test_a_second_step_is_refused_on_every_rank_with_hooks(hook):
     assert run_ranks(_step_twice_on_ranks, 2, hook) == [2, 2]
+
+
+def _trained(level, lr):
+    torch.manual_seed(0)
+    model = NormMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    for _ in range(2):
+        with distamp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    ("damage", "pattern"),
+    [
+        ("other opt_level", r"saved at opt_level 'O0', this optimizer is wrapped at 'O2'"),
+        ("bad scale", r"loss scaler 0: loss scaler state: expected a positive finite scale"),
+        ("bad count", r"expected a count >= 0 for 'clean_steps', got -3"),
+    ],
+)
+def test_optimizer_load_state_dict_refuses_before_changing_anything(damage, pattern):
+    """An audit's refused load had replaced the inner state first (lr 1e-3 -> 0.5, Adam's step
+    2 -> 5): now every part is checked before any is loaded."""
+    model, opt = _trained("O2", 1e-3)
+    if damage == "other opt_level":
+        other = _trained("O0", 0.5)[1].state_dict()
+    else:
+        other = _trained("O2", 0.5)[1].state_dict()
+        other["distamp"]["scalers"][0].update(
+            {"scale": -1.0} if damage == "bad scale" else {"clean_steps": -3}
+        )
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=pattern):
+        opt.load_state_dict(other)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["distamp"]["scalers"] == before["distamp"]["scalers"]
+    for mine, theirs in zip(after["distamp"]["masters"], before["distamp"]["masters"], strict=True):
+        assert torch.equal(mine, theirs)
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            assert torch.equal(after["state"][key][name], value), (key, name)

@@ -289,6 +289,14 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
             "world size), or wrap with shard_master_weights=False to keep saving rank 0's "
             "optimizer.state_dict() for all ranks"
         )
+    saved_level = (extra.get("properties") or {}).get("opt_level")
+    level = st.group.props.opt_level
+    if saved_level is not None and saved_level != level:
+        raise ValueError(
+            f"{where}: the state dict was saved at opt_level {saved_level!r}, this optimizer is "
+            f"wrapped at {level!r}: expected the same opt_level (distamp.save_checkpoint/"
+            "load_checkpoint say what they can convert; consolidate gives FP32 weights)"
+        )
     masters = st.masters.master_tensors()
     saved = extra["masters"]
     if len(saved) != len(masters):
@@ -306,6 +314,17 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
             f"{where}: expected {len(st.group.scalers)} loss scalers (num_losses), found "
             f"{len(extra['scalers'])}"
         )
+    # Everything is checked before anything is loaded: a refusal leaves the optimizer unchanged.
+    for i, (scaler, saved_scaler) in enumerate(
+        zip(st.group.scalers, extra["scalers"], strict=True)
+    ):
+        try:
+            scaler.check_state(saved_scaler)
+        except ValueError as exc:
+            raise ValueError(f"{where}: loss scaler {i}: {exc}") from None
+    for key in ("steps", "skipped_steps"):
+        if isinstance(extra.get(key), bool) or not isinstance(extra.get(key), int):
+            raise ValueError(f"{where}: expected an int for {key!r}, got {extra.get(key)!r}")
 
 
 def unscale_now(st: AmpOptimizerState) -> None:

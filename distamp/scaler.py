@@ -361,11 +361,19 @@ class ScalerGroup:
         st.decided_here = bool(undecided) or not st.backwards
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
-            vector = torch.cat([f.to(own.device) for f in flags])
+            replicas = None
+            if self.process_group is not None:
+                replicas = st.masters.replica_fingerprint()
+            parts = flags if replicas is None else [*flags, replicas]
+            vector = torch.cat([f.to(own.device) for f in parts])
             if self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
                 self.found_inf_collectives += 1
-            result = [v > 0 for v in vector.tolist()]
+            values = vector.tolist()
+            if replicas is not None:
+                self._refuse_parted_replicas(st, values[-2], values[-1])
+                values = values[:-2]
+            result = [v > 0 for v in values]
             if not st.backwards:
                 st.overflow = result[0]
             for block, overflow in zip(undecided, result, strict=False):
@@ -375,6 +383,24 @@ class ScalerGroup:
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
+
+    def _refuse_parted_replicas(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:
+        """See [Note: clipping what param_groups hold] in masters/sharded.py: every rank reads
+        the same reduced numbers, so every rank raises."""
+        if high == -neg_low:
+            return
+        kept = getattr(st.masters, "replicated", [])
+        names = [self.param_names.get(id(p), "?") for p in kept[:3]]
+        raise RuntimeError(
+            "the ranks' copies of the parameters every rank steps whole under sharded masters "
+            f"({names}{' and more' if len(kept) > 3 else ''}) differ: expected them identical "
+            "on every rank, as wrap made them. The usual cause is clipping by a norm over "
+            "optimizer.param_groups (or amp.master_params): with sharded masters they hold this "
+            "rank's shard, so each rank clipped by its own norm. Clip with "
+            "distamp.clip_grad_norm_(optimizer, max_norm), or torch's clip_grad_norm_ over "
+            "model.parameters() after distamp.unscale_(optimizer), or wrap with "
+            "shard_master_weights=False"
+        )
 
     def _block_flag(
         self, block: Backward, st: AmpOptimizerState, own: torch.Tensor

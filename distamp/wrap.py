@@ -599,7 +599,10 @@ def clip_grad_norm_(
     if st.overflow:
         return torch.tensor(float("inf"))
     st.masters.take_modified_model_grads()
-    return st.masters.clip_(max_norm, norm_type)
+    total = st.masters.clip_(max_norm, norm_type)
+    if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
+        st.unscaled_shards = st.masters.shard_grad_versions()
+    return total
 
 
 def stats(optimizer: torch.optim.Optimizer) -> AmpStats:

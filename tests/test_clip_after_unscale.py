@@ -117,3 +117,54 @@ def test_clipping_the_model_while_gradients_are_still_scaled_is_warned_about():
                 opt.zero_grad()
         messages = [str(w.message) for w in seen if "still multiplied" in str(w.message)]
         assert len(messages) == (1 if warned else 0), (touch, messages)
+
+
+def _clip_param_groups(rank, world, how):
+    """Clipping what optimizer.param_groups hold, with sharded O2 masters and a LayerNorm that
+    every rank steps whole (an audit: two ranks' LayerNorm weights parted silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    caught, step = [], 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            for x, y in data(3, 8, d_in=8, d_out=4, seed=rank):
+                with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+                    scaled.backward()
+                if how == "distamp":
+                    distamp.clip_grad_norm_(opt, 0.05)
+                else:
+                    distamp.unscale_(opt)
+                    params = (
+                        model.parameters()
+                        if how == "model"
+                        else [p for g in opt.param_groups for p in g["params"]]
+                    )
+                    torch.nn.utils.clip_grad_norm_(params, 0.05)
+                opt.step()
+                opt.zero_grad()
+                step += 1
+        except RuntimeError as exc:
+            caught.append((step, str(exc)))
+    messages = [str(w.message) for w in seen if "param_groups were changed" in str(w.message)]
+    weights = {k: v.float().clone() for k, v in model.state_dict().items()}
+    return caught, messages, weights
+
+
+def test_a_norm_over_sharded_param_groups_is_warned_about_and_parted_ranks_raise():
+    for caught, messages, _ in run_ranks(_clip_param_groups, 2, "param_groups"):
+        assert len(messages) == 1, messages  # once, at the first step
+        assert caught and caught[0][0] == 1, caught  # the step after the ranks parted
+        assert "['1.weight', '1.bias']) differ" in caught[0][1], caught
+        assert "distamp.clip_grad_norm_(optimizer, max_norm)" in caught[0][1]
+
+
+@pytest.mark.parametrize("how", ["distamp", "model"])
+def test_the_global_clipping_habits_stay_silent_under_sharded_masters(how):
+    (caught0, messages0, w0), (caught1, messages1, w1) = run_ranks(_clip_param_groups, 2, how)
+    assert caught0 == caught1 == [] and messages0 == messages1 == []
+    for name, value in w0.items():
+        assert torch.equal(value, w1[name]), name

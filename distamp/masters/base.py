@@ -39,6 +39,8 @@ class MasterWeights(Protocol):
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
     def expose_unscaled(self, inv_scale: float) -> None: ...
     def take_modified_model_grads(self) -> None: ...
+    def shard_grad_versions(self) -> list[tuple[int, int] | None]: ...
+    def replica_fingerprint(self) -> torch.Tensor | None: ...
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
@@ -86,6 +88,15 @@ class ModelGrads:
 
     def named_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
         return [(names.get(id(p), f"<param {i}>"), p.grad) for i, p in enumerate(self.model_params)]
+
+    def shard_grad_versions(self) -> list[tuple[int, int] | None]:
+        """grad_version of each tensor the optimizer steps that is a shard, not a whole
+        parameter (see [Note: clipping what param_groups hold] in sharded.py); none here."""
+        return []
+
+    def replica_fingerprint(self) -> torch.Tensor | None:
+        """See [Note: clipping what param_groups hold] in sharded.py; None: nothing to compare."""
+        return None
 
     # -- the model's gradients after unscale_ (torch.amp's clipping habit) -------------------------
 
@@ -148,7 +159,7 @@ class ModelGrads:
         return torch.device("cpu")
 
 
-def grad_version(param: nn.Parameter) -> tuple[int, int] | None:
+def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
     """Identity and version counter of ``param.grad`` (None when it has none)."""
     grad = param.grad
     return None if grad is None else (id(grad), grad._version)

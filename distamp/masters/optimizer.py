@@ -60,6 +60,10 @@ class AmpOptimizerState:
         """(parameter, grad_version) of every model gradient at the end of the last scale_loss
         block: see [Note: scaled gradients touched before step()]."""
         self.warned_touched_scaled = False
+        self.unscaled_shards: list[tuple[int, int] | None] | None = None
+        """With sharded masters, grad_version of the shard slices right after a public unscale_
+        (see [Note: clipping what param_groups hold] in sharded.py)."""
+        self.warned_shards_touched = False
         self.stepped_grads: list[tuple[int, int] | None] | None = None
         """grad_version of every model gradient right after the last step(): see [Note: a second
         step() on the same gradients]."""
@@ -71,6 +75,7 @@ class AmpOptimizerState:
         self.backwards = []
         self.seen_nonfinite = None
         self.overflow = None
+        self.unscaled_shards = None
         self.masters.release_master_grads()
 
 
@@ -122,6 +127,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             _warn_if_scaled_grads_touched(st)
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
+        _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
         assert st.overflow is not None
         st.steps += 1
@@ -334,6 +340,7 @@ def unscale_now(st: AmpOptimizerState) -> None:
     inv_scale = 1.0 / st.grad_scale
     st.group.unscale_and_decide(st)
     st.masters.expose_unscaled(inv_scale)
+    st.unscaled_shards = st.masters.shard_grad_versions() or None
 
 
 def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
@@ -387,6 +394,23 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
             "before each step (torch.amp.GradScaler refuses a second step() before update() "
             "too). The previous step's gradients are not reusable: they may still carry the "
             f"loss scale (opt_level {st.group.props.opt_level}) or be this rank's unreduced ones"
+        )
+
+
+def _warn_if_shards_touched(st: AmpOptimizerState) -> None:
+    """See [Note: clipping what param_groups hold] in sharded.py: once per optimizer."""
+    if st.unscaled_shards is None or st.warned_shards_touched:
+        return
+    if st.masters.shard_grad_versions() != st.unscaled_shards:
+        st.warned_shards_touched = True
+        warnings.warn(
+            "optimizer.step(): the gradients in optimizer.param_groups were changed after "
+            "unscale_; with sharded masters (shard_master_weights) they are this rank's shard "
+            "of the model's: an elementwise change (clip_grad_value_) is exact, but a norm over "
+            "them (clip_grad_norm_ over param_groups, amp.master_params) is this rank's, not the "
+            "model's. Expected distamp.clip_grad_norm_(optimizer, max_norm), or torch's "
+            "clip_grad_norm_ over model.parameters() after distamp.unscale_(optimizer)",
+            stacklevel=3,
         )
 
 

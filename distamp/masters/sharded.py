@@ -368,6 +368,37 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     def master_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.shards)
 
+    # -- what param_groups hold: this rank's shard ---------------------------------------------
+
+    # [Note: clipping what param_groups hold] With sharded masters ``optimizer.param_groups`` hold
+    # this rank's shard slices and the parameters every rank steps whole (FP32 norm layers under
+    # O2). A norm over them (``clip_grad_norm_`` over param_groups, Lightning's and mmengine's
+    # habit, apex's ``amp.master_params``) is this rank's, not the model's: each rank clips by
+    # another coefficient, so the shards are clipped wrongly and the whole-stepped parameters
+    # leave each other — an audit's two ranks held different LayerNorm weights after 3 steps,
+    # silently. Two guards: ``step()`` warns once when the shard gradients were changed after
+    # ``unscale_`` (an elementwise change such as clip_grad_value_ is exact; a norm is not), and
+    # the skip decision's all-reduce carries a fingerprint of the whole-stepped parameters (two
+    # more numbers in the same collective), so ranks that parted raise, every one of them, at
+    # the next step instead of training apart.
+
+    def shard_grad_versions(self) -> list[tuple[int, int] | None]:
+        return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]
+
+    def replica_fingerprint(self) -> torch.Tensor | None:
+        """``[h, -h]``: a hash of the bits of the parameters every rank steps whole, as two
+        float32 numbers a MAX all-reduce can compare (equal everywhere iff max(h) == -max(-h));
+        None when there are none or one rank."""
+        kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
+        if self.world < 2 or not kept:
+            return None
+        with torch.no_grad():
+            bits = torch.cat([k.float() for k in kept]).view(torch.int32).to(torch.int64)
+            position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+            # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
+            h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
+        return torch.stack([h, -h])
+
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""
         return list(self.shards)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from models import GradProbe
+from models import GradProbe, NormMLP
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -231,3 +231,36 @@ def test_each_slice_of_a_sharded_master_counts_its_own_steps():
     (replicated,) = run_ranks(_adagrad, 1, False)
     (sharded,) = run_ranks(_adagrad, 1, True)
     assert torch.equal(sharded, replicated)
+
+
+def _named(rank, world):
+    model = NormMLP()
+    opt = torch.optim.AdamW(model.fc1.named_parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    added = [*model.ln.named_parameters(), ("fc2.weight", model.fc2.weight)]
+    opt.add_param_group({"params": added})
+    return [
+        list(zip(g["param_names"], [p.numel() for p in g["params"]], strict=True))
+        for g in opt.param_groups
+    ]
+
+
+def _span(name):
+    first, last = name[name.index("[") + 1 : -1].split(":")
+    return int(last) - int(first)
+
+
+def test_named_param_groups_stay_parallel_to_what_is_stepped():
+    """torch's named optimizers (AdamW(model.named_parameters())): param_names holds one name per
+    tensor in params; with sharded masters a slice is named after its parameter and elements, a
+    parameter stepped whole (the FP32 LayerNorm under O2) by its own name."""
+    ranks = run_ranks(_named, 2)
+    for first, second in ranks:
+        assert all("[" in n and _span(n) == numel for n, numel in first), first
+        assert ("weight", 16) in second and ("bias", 16) in second, second
+        slices = [(n, k) for n, k in second if n.startswith("fc2.weight")]
+        assert slices and all(_span(n) == k for n, k in slices), second
+    # Between them the ranks' slices cover fc1 (16 x 8 weight, 16 bias) exactly once.
+    held = [(n.split("[")[0], k) for first, _ in ranks for n, k in first]
+    assert sum(k for n, k in held if n == "weight") == 128
+    assert sum(k for n, k in held if n == "bias") == 16

@@ -374,12 +374,14 @@ def _plain_scalar(value: Any) -> Any:
 
 
 def hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's settings (lr, betas, weight_decay, ...) without its parameters."""
+    """Each param group's settings (lr, betas, weight_decay, ...) without its parameters (nor
+    their names: with sharded masters they name this rank's slices, which another world size
+    cuts differently; the loading optimizer keeps its own)."""
     out = []
     for g, group in enumerate(opt.param_groups):
         entry = {}
         for key, value in group.items():
-            if key == "params":
+            if key in ("params", "param_names"):
                 continue
             entry[key] = check_plain(value, f"param_groups[{g}][{key!r}]")
         out.append(entry)

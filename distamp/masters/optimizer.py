@@ -171,6 +171,10 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"list of tensors (ordered, the same on every rank), got {type(params).__name__}"
             )
         params = list(params)
+        names = param_group.get("param_names")
+        if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):
+            names = [name for name, _ in params]  # torch's named form: named_parameters()
+            params = [param for _, param in params]
         if st.state is not OptState.READY:
             raise RuntimeError(
                 "optimizer.add_param_group: gradients are pending from scale_loss (state "
@@ -190,7 +194,12 @@ class AmpOptimizer(torch.optim.Optimizer):
             )
         # Without master weights (O3) the half parameters are stepped in half, like wrap's own.
         stepped = st.masters.add_group(params, fp32_masters=with_masters)
-        super().add_param_group({**param_group, "params": stepped})
+        group = {**param_group, "params": stepped}
+        if names is not None:  # one name per tensor stepped (a slice's says which elements)
+            slice_names = getattr(st.masters, "slice_names", None)
+            named = dict(zip(map(id, params), names, strict=True))
+            group["param_names"] = slice_names(named) if slice_names else list(names)
+        super().add_param_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the *model's* gradients (the param_groups hold the masters) and master grads."""

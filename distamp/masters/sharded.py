@@ -133,8 +133,23 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             chunks = out._new_group(sharded, states, optimizer)
             out.replicated += kept
             param_group["params"] = [*chunks, *kept]
+            if "param_names" in param_group:  # torch's named optimizers: one name per tensor
+                named = dict(zip(map(id, params), param_group["param_names"], strict=True))
+                param_group["param_names"] = out.slice_names(named)
         out.model_params = [p for g in out.groups for p in g.params] + out.replicated
         return out
+
+    def slice_names(self, named: dict[int, str]) -> list[str]:
+        """Names for the last group's ``param_groups`` entry (its slices, then the parameters it
+        keeps whole; see ``take``): a slice is named after its parameter and the elements it
+        holds, ``"0.weight[128:256]"``, so ``zip(param_names, params)`` stays true."""
+        layout = self.groups[-1]
+        out = []
+        for index, a, b in layout.spans:
+            first = layout.param_offset(index, a)
+            out.append(f"{named.get(id(layout.params[index]), '?')}[{first}:{first + b - a}]")
+        kept = [p for p in self.replicated if id(p) in named]
+        return out + [named[id(p)] for p in kept]
 
     def _new_group(
         self,

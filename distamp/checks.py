@@ -137,6 +137,13 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, s
             raise ValueError(
                 f"{where} was already wrapped by distamp.wrap; wrap each optimizer once"
             )
+        if isinstance(opt, torch.optim.LBFGS):
+            raise ValueError(
+                f"{where}: expected an optimizer that steps on the gradients of one backward, "
+                "found LBFGS, which re-evaluates the loss through a closure inside step(); loss "
+                "scaling cannot wrap that (torch.amp.GradScaler and apex refuse closures too): "
+                "train it in FP32 without distamp, or use a first-order optimizer"
+            )
         for g, group in enumerate(opt.param_groups):
             for k, param in enumerate(group["params"]):
                 if id(param) not in names:
@@ -179,7 +186,7 @@ def check_params_read_from_groups(
                 "ZeroRedundancyOptimizer would build (torch.optim.AdamW(...)) instead"
                 if type(opt).__name__ == "ZeroRedundancyOptimizer"
                 else "use an optimizer that reads its parameters from param_groups at each step "
-                "(every torch.optim class does), or an opt_level without FP32 masters (O1)"
+                "(torch.optim's first-order classes do), or an opt_level without FP32 masters (O1)"
             )
             raise ValueError(
                 f"distamp.wrap: {where} ({type(opt).__name__}) keeps model parameter "

@@ -218,7 +218,15 @@ def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) 
     if not others:
         return props
     name = type(others[0]).__name__
+    all_names = sorted({type(o).__name__ for o in others})
     if explicit:
+        sparse = [o for o in others if isinstance(o, torch.optim.SparseAdam)]
+        if sparse:
+            raise ValueError(
+                "distamp.wrap: shard_master_weights=True with SparseAdam, which steps sparse "
+                "gradients only, but sharded masters hand it dense flat slices of this rank's "
+                "shard; expected shard_master_weights=False (or None) with SparseAdam"
+            )
         if not isinstance(others[0], torch.optim.Optimizer):
             raise ValueError(
                 f"distamp.wrap: {name} wraps an optimizer and reads per-parameter gradients in "
@@ -234,11 +242,13 @@ def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) 
         )
         return props
     warnings.warn(
-        f"distamp.wrap: {name} is not one of torch's per-parameter optimizers, so its step may "
-        "read whole parameters (norms, trust ratios, factored moments) that sharded masters "
-        "would cut into flat slices; the FP32 masters and optimizer state stay replicated on "
-        "every rank (shard_master_weights=True shards them if its step treats every element on "
-        "its own)",
+        f"distamp.wrap: {' and '.join(all_names)} {'is' if len(all_names) == 1 else 'are'} not "
+        "among torch's per-parameter optimizers, so a step may read whole parameters (norms, "
+        "trust ratios, factored moments, sparse gradients) that sharded masters would cut into "
+        "flat slices; the FP32 masters and optimizer state stay replicated on every rank, for "
+        f"every optimizer wrapped with {'it' if len(all_names) == 1 else 'them'} "
+        f"({len(given)} in all; shard_master_weights=True shards them if each step treats "
+        "every element on its own)",
         stacklevel=3,
     )
     return dataclasses.replace(props, shard_master_weights=False)

@@ -129,7 +129,7 @@ def test_sharded_masters_refuse_a_wrapper_and_the_default_keeps_them_replicated(
     for out in run_ranks(_sharded, 2):
         assert "TrustRatio wraps an optimizer" in out["explicit"]
         assert "shard_master_weights=False" in out["explicit"]
-        assert "TrustRatio is not one of torch's per-parameter optimizers" in out["warning"]
+        assert "TrustRatio is not among torch's per-parameter optimizers" in out["warning"]
         assert out["master_bytes"] == 4 * 4  # the whole FP32 master on every rank
 
 
@@ -193,7 +193,7 @@ def test_an_optimizer_that_reads_whole_parameters_keeps_replicated_masters_by_de
     parameters, so the replicas agree bit for bit); an explicit True shards, with a warning."""
     default = run_ranks(_lamb, 2, None)
     for out in default:
-        assert "Lamb is not one of torch's per-parameter optimizers" in out["warning"]
+        assert "Lamb is not among torch's per-parameter optimizers" in out["warning"]
         assert out["master_bytes"] == 4 * (6 * 32 + 32 + 32 * 3 + 3)
     for a, b in zip(default[0]["weights"], default[1]["weights"], strict=True):
         assert torch.equal(a, b)
@@ -251,3 +251,35 @@ def test_a_wrapper_sharing_its_param_groups_with_the_base_optimizer_trains_under
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def _sparse_adam(rank, world):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    head = nn.Linear(4, 2)
+    model = nn.Sequential(emb, head)
+    out = {}
+    try:
+        distamp.wrap(
+            model,
+            [torch.optim.SparseAdam(emb.parameters()), torch.optim.AdamW(head.parameters())],
+            opt_level="O2",
+            shard_master_weights=True,
+            verbosity=0,
+        )
+    except ValueError as exc:
+        out["explicit"] = str(exc)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    opts = [torch.optim.SparseAdam(model[0].parameters()), torch.optim.AdamW(model[1].parameters())]
+    with pytest.warns(UserWarning) as record:
+        distamp.wrap(model, opts, opt_level="O2", verbosity=0)
+    out["warning"] = [str(r.message) for r in record if "per-parameter" in str(r.message)]
+    return out
+
+
+def test_sparse_adam_is_refused_sharded_and_the_warning_names_what_stays_replicated():
+    for out in run_ranks(_sparse_adam, 2):
+        assert "shard_master_weights=True with SparseAdam" in out["explicit"], out
+        (warning,) = out["warning"]
+        assert "SparseAdam is not among torch's per-parameter" in warning, warning
+        assert "for every optimizer wrapped with it (2 in all" in warning, warning

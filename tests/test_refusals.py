@@ -171,6 +171,18 @@ def test_step_with_closure_is_refused():
         opt.step(lambda: 0.0)
 
 
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_lbfgs_is_refused_at_wrap_saying_why(level):
+    model = NormMLP()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    before = snapshot(model, opt)
+    with pytest.raises(
+        ValueError, match=r"found LBFGS, which re-evaluates the loss through a clos"
+    ):
+        distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    assert_unchanged(before, model, opt)
+
+
 def test_backward_after_unscale_is_refused():
     model, opt = _trained_once()
     loss = model(torch.randn(4, 8)).sum()

@@ -511,3 +511,74 @@ def test_send_and_receive_buffers_exist_only_for_the_buckets_in_flight():
         assert 0 < r["pool"] <= 2 * r["max_in_flight"], r
         assert r["pool_bytes"] <= 2 * r["max_in_flight"] * max(r["longest"], GRAIN), r
         assert r["staging"] is None, r
+
+
+class _LateWork:
+    """An all-gather that lands only at wait(): rank 0's, in the rebuild test."""
+
+    def __init__(self, work, tmp, target):
+        self.work, self.tmp, self.target = work, tmp, target
+
+    def wait(self):
+        self.work.wait()
+        self.target.copy_(self.tmp)
+        return True
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _rebuild_ddp(rank, world, rebuild):
+    """Unfreezing's recipe: a new DDP (and its hook) after step(), while the overlapped gather is
+    in flight. The timing that loses is fixed: rank 0's gather lands at wait(), rank 1's at once,
+    so DDP's constructor broadcasts rank 0's stale weights over rank 1's fresh ones."""
+    import distamp.masters.gather as gather
+
+    real = gather.all_gather_single
+
+    def timed(output, input, group=None, async_op=False):
+        if not async_op:
+            return real(output, input, group=group, async_op=False)
+        if rank == 0:
+            tmp = output.clone()
+            return _LateWork(real(tmp, input.clone(), group=group, async_op=True), tmp, output)
+        real(output, input, group=group, async_op=False)
+        return _Done()
+
+    gather.all_gather_single = timed
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+
+    def make():
+        ddp = DDP(model)
+        return ddp, distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+
+    ddp, _ = make()
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for step in range(5):
+        if step == 3 and rebuild:
+            ddp, _ = make()
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        loss = nn.functional.mse_loss(ddp(x).float(), y)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {k: v.float().clone() for k, v in model.state_dict().items()}
+    return losses, weights
+
+
+def test_a_ddp_rebuilt_while_the_gather_is_in_flight_gets_the_fresh_weights():
+    """An audit's probe: rank 1 trained a step on rank 0's stale weights, silently."""
+    straight = run_ranks(_rebuild_ddp, 2, False)
+    rebuilt = run_ranks(_rebuild_ddp, 2, True)
+    for rank in range(2):
+        assert rebuilt[rank][0] == straight[rank][0], rank
+        for name, value in straight[rank][1].items():
+            assert torch.equal(rebuilt[rank][1][name], value), (rank, name)

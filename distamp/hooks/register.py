@@ -114,6 +114,15 @@ def register(
         )
     if gather_dtype is not None:
         _check_gather_dtype(gather_dtype, masters, props.opt_level)
+    if isinstance(masters, ShardedMasterParams) and any(masters.pending):
+        # [Note: a DDP built while the gather is in flight] Building a new DDP after step()
+        # (the unfreezing recipe) with overlap_gather: its constructor broadcasts rank 0's
+        # parameters, read through module.parameters() (no hook of ours runs), while the step's
+        # all-gather still writes into them on every rank — a rank could keep rank 0's stale
+        # values (an audit's probe). Every rank has the gather in flight here (all stepped
+        # alike): finish it, then gather the exact weights from the shards again.
+        masters.finish_gather()
+        masters.copy_to_model()
     wire = dtype or props.half_dtype
     if not _can_reduce(wire, group):
         warnings.warn(

@@ -128,3 +128,47 @@ def test_state_dict_of_an_o2_model_is_fp32_and_loads_into_a_plain_model():
     x = torch.randn(3, 4)
     torch.testing.assert_close(plain(x), model(x), rtol=2e-2, atol=2e-2)
     assert F.mse_loss(plain(x), model(x)).item() < 1e-3
+
+
+def _written_in_place(rank, world, shard, hook):
+    """Fine-tuning habits that write weights in place after wrap: a head re-initialized, a
+    weight scaled (a LoRA merged into its base), one copied into; lr 0, so a step only writes
+    the masters back into the model (an audit: O2 wrote the old weights back)."""
+    model, opt = _build(shard)
+    net = model
+    if world > 1:
+        net = nn.parallel.DistributedDataParallel(model)
+        if hook:
+            distamp.hooks.register(net, opt, reduce_scatter=True, overlap_gather=True)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 61, (2, 16), generator=gen)
+
+    def step():
+        _, loss = net(idx, idx)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    if hook:  # the overlapped gather must land before the weights are written
+        opt._distamp.masters.finish_gather()
+    with torch.no_grad():
+        nn.init.zeros_(model.lm_head.weight)
+        model.transformer.h[0].attn.c_attn.weight.mul_(0.5)
+        fc = model.transformer.h[0].mlp.c_fc.weight
+        fc.copy_(torch.full_like(fc, 0.25))
+    written = {k: v.detach().clone() for k, v in model.named_parameters()}
+    step()
+    step()
+    model.state_dict()  # waits for a gather in flight
+    for name, before in written.items():
+        assert torch.equal(dict(model.named_parameters())[name].detach(), before), name
+    return True
+
+
+@pytest.mark.parametrize(
+    ("shard", "world", "hook"), [(False, 1, False), (True, 2, False), (True, 2, True)]
+)
+def test_weights_written_in_place_after_wrap_reach_the_masters(shard, world, hook):
+    assert run_ranks(_written_in_place, world, shard, hook) == [True] * world

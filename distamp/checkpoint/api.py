@@ -134,6 +134,9 @@ def save_checkpoint(
     leaves the previous checkpoint intact. Returns the directory.
     """
     target = _Target(model, optimizer, "save_checkpoint")
+    for view in target.views:  # see [Note: weights written after wrap] in masters/base.py
+        if view.st is not None:
+            view.st.masters.take_written_weights()
     directory = Path(directory)
     pg = target.pg
     plain_extra = agree("save_checkpoint: extra", lambda: check_plain(extra or {}, "extra"), pg)

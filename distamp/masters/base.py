@@ -40,6 +40,7 @@ class MasterWeights(Protocol):
     def expose_unscaled(self, inv_scale: float) -> None: ...
     def take_modified_model_grads(self) -> None: ...
     def shard_grad_versions(self) -> list[tuple[int, int] | None]: ...
+    def take_written_weights(self) -> None: ...
     def replica_fingerprint(self) -> torch.Tensor | None: ...
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -97,6 +98,9 @@ class ModelGrads:
     def replica_fingerprint(self) -> torch.Tensor | None:
         """See [Note: clipping what param_groups hold] in sharded.py; None: nothing to compare."""
         return None
+
+    def take_written_weights(self) -> None:
+        """See [Note: weights written after wrap]: no separate masters here, nothing to take."""
 
     # -- the model's gradients after unscale_ (torch.amp's clipping habit) -------------------------
 
@@ -167,6 +171,15 @@ def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
 
 def merge_loaded(master: torch.Tensor, value: torch.Tensor, half: torch.dtype) -> torch.Tensor:
     """The master after ``value`` was loaded into its half parameter.
+
+    [Note: weights written after wrap] The same holds for weights written in place after wrap
+    without load_state_dict: a classifier head re-initialized (``nn.init.zeros_``,
+    ``reset_parameters()``), a LoRA merged into its base weight, ``weight.copy_(...)``. The masters
+    would write the old values back at the next step (apex's O2 did; an audit found the writes
+    undone). So the masters remember the version counter of every half weight (of each group's
+    flat buffer, when sharded) after their own last write, and ``step()`` (and a checkpoint's
+    save) first merges any weight whose counter moved, as a load: element by element, new
+    values replace the master, the model's own rounded values keep it.
 
     [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
     pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters

@@ -95,6 +95,10 @@ class GroupLayout:
         ]
         """(param index, first, last + 1 element in the shard) of each slice, in shard order."""
         self.flat_half: torch.Tensor | None = None
+        self.seen_versions: list[int] = []
+        """Each weight's version counter after the masters last wrote or read it (see [Note:
+        weights written after wrap] in base.py; the gathers write the flat buffer, not the
+        parameters' own counters)."""
         self.updates: torch.Tensor | None = None
         """With 16-bit updates of FP32 weights: every rank's updates of the last step, laid out
         like ``flat_half`` (this rank's own are written in place and gathered from there)."""

@@ -123,6 +123,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
+        st.masters.take_written_weights()  # see [Note: weights written after wrap]
         if st.state is OptState.SCALED:
             _warn_if_scaled_grads_touched(st)
         if st.state is not OptState.UNSCALED:
@@ -217,8 +218,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         masters it holds this rank's shard (and says which): each rank saves and loads its own,
         at the same world size; :func:`distamp.save_checkpoint` writes one checkpoint for all.
         """
-        out = super().state_dict()
         st = self._distamp
+        st.masters.take_written_weights()  # see [Note: weights written after wrap]
+        out = super().state_dict()
         out["distamp"] = {
             "masters": [m.detach().clone() for m in st.masters.master_tensors()],
             "steps": st.steps,

@@ -75,7 +75,22 @@ class MasterParams(ModelGrads):
         return check_and_unscale_(grads, inv_scale, self._device())
 
     def after_cast(self) -> None:
-        """Nothing to do once the model is cast (the sharded version re-lays the weights out)."""
+        """Remember the cast weights' versions (the sharded version re-lays the weights out)."""
+        self._record_weights()
+
+    def _record_weights(self) -> None:
+        self.weight_versions = [
+            p._version if s else -1 for p, s in zip(self.model_params, self.separate, strict=True)
+        ]
+
+    def take_written_weights(self) -> None:
+        """See [Note: weights written after wrap] in base.py."""
+        recorded: list[int] | None = getattr(self, "weight_versions", None)
+        if recorded is not None and len(recorded) == len(self.model_params):
+            for p, s, version in zip(self.model_params, self.separate, recorded, strict=True):
+                if s and p._version != version:
+                    self.load_value(p, p.detach())
+        self._record_weights()
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps."""
@@ -149,6 +164,7 @@ class MasterParams(ModelGrads):
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        self._record_weights()
 
     def release_master_grads(self) -> None:
         for master, separate in zip(self.masters, self.separate, strict=True):

@@ -194,6 +194,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 view.copy_(p.data)
                 p.data = view
         layout.flat_half = flat
+        layout.seen_versions = [p._version for p in layout.params]
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -396,6 +397,20 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     # the skip decision's all-reduce carries a fingerprint of the whole-stepped parameters (two
     # more numbers in the same collective), so ranks that parted raise, every one of them, at
     # the next step instead of training apart.
+
+    def take_written_weights(self) -> None:
+        """See [Note: weights written after wrap] in base.py: this rank's pieces of each written
+        weight (every rank holds the same weights). The gathers write the flat buffer, not the
+        parameters' own version counters, so only writes through the parameters count."""
+        self.finish_gather()  # what the last step gathers has landed
+        for layout in self.groups:
+            if layout.flat_half is None:
+                continue
+            now = [p._version for p in layout.params]
+            for param, before, after in zip(layout.params, layout.seen_versions, now, strict=True):
+                if before != after:
+                    self.load_value(param, param.detach())
+            layout.seen_versions = now
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
         return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]

@@ -120,6 +120,14 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                     f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "
                     "torch.float32: hand distamp.wrap an FP32 model (do not call .half() or "
                     ".bfloat16() yourself); the opt_level decides what is cast"
+                    + (
+                        " — frozen parameters too (requires_grad=False): a half frozen base "
+                        "(QLoRA-style) is not supported yet; load it in FP32 (O2 casts it to "
+                        "the half dtype without masters' cost for frozen weights outside the "
+                        "optimizer)"
+                        if not param.requires_grad
+                        else ""
+                    )
                 )
         if floating == 0:
             raise ValueError(

@@ -147,3 +147,57 @@ def test_a_checkpoint_of_format_1_is_refused_by_name(saved, tmp_path):
     commit.write_text(commit.read_text().replace(ckfiles.FORMAT, "distamp.checkpoint/1"))
     with pytest.raises(CheckpointError, match=r"found 'distamp\.checkpoint/1': a checkpoint of an"):
         consolidate(old)
+
+
+def _rewrite_hashes(directory, names):
+    manifest = torch.load(directory / ckfiles.MANIFEST, weights_only=True)
+    for name in names:
+        path = directory / name
+        manifest["files"][name] = [path.stat().st_size, ckfiles.sha256_file(path)]
+    (directory / ckfiles.MANIFEST).unlink()
+    (directory / ckfiles.COMMIT).unlink()
+    ckfiles.write_manifest_and_commit(directory, manifest)
+
+
+def test_a_bytes_entry_pointing_at_a_payload_is_refused_without_running_it(saved, tmp_path):
+    """An audit's hostile checkpoint: plain-data metadata declaring one tensor key a DCP "bytes"
+    entry (which DCP unpickles with weights_only=False) pointing at a pickle appended to a
+    .distcp file, every hash rewritten to match. Refused by name; the payload never runs."""
+    directory, _ = saved
+    tampered = tmp_path / "bytes"
+    marker = tmp_path / "payload-ran"
+    shutil.copytree(directory, tampered)
+    meta = ckmeta.read(directory)
+    victim = next(iter(meta.state_dict_metadata))
+    data_file = sorted(p.name for p in tampered.iterdir() if p.suffix == ".distcp")[0]
+    offset = (tampered / data_file).stat().st_size
+    payload = pickle.dumps(_Touch(marker))
+    with open(tampered / data_file, "ab") as f:
+        f.write(payload)
+    encoded = ckmeta.encode(meta)
+    fields = encoded["v"]
+    for pair in fields["state_dict_metadata"]["v"]:
+        if pair[0] == victim:
+            pair[1] = {"t": "obj", "class": "BytesStorageMetadata", "v": {}}
+    index = ckmeta.encode(torch.distributed.checkpoint.metadata.MetadataIndex(victim))
+    info = {"relative_path": data_file, "offset": offset, "length": len(payload)}
+    fields["storage_data"]["v"].append([index, {"t": "obj", "class": "_StorageInfo", "v": info}])
+    (tampered / ".metadata").unlink()
+    with open(tampered / ".metadata", "wb") as f:
+        torch.save({"format": ckmeta.METADATA_FORMAT, "metadata": encoded}, f)
+    _rewrite_hashes(tampered, [data_file, ".metadata"])
+
+    for message in run_ranks(load, 2, str(tampered)):
+        assert isinstance(message, str), "the tampered checkpoint loaded"
+        assert "found class 'BytesStorageMetadata'" in message, message
+    with pytest.raises(CheckpointError, match=r"found class 'BytesStorageMetadata'"):
+        consolidate(tampered)
+    assert not marker.exists(), "the pickle's payload ran"
+
+
+def test_the_load_planner_refuses_to_unpickle():
+    item = type(
+        "Item", (), {"dest_index": torch.distributed.checkpoint.metadata.MetadataIndex("x")}
+    )
+    with pytest.raises(CheckpointError, match=r"non-tensor entry 'x'.*weights_only=False"):
+        ckmeta.Planner().load_bytes(item, None)

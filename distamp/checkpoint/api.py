@@ -386,6 +386,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
             dcp.load(
                 dest,
                 storage_reader=metadata.Reader(directory),
+                planner=metadata.Planner(),
                 process_group=pg,
                 no_dist=not target.distributed(),
             )

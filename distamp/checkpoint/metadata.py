@@ -9,8 +9,10 @@ reads each one with ``weights_only=True`` too; distamp puts nothing but tensors 
 dict). So the writer and reader here keep DCP's planning, resharding and data files as they are
 and replace only the metadata's serialization: the ``Metadata`` tree is encoded into tagged
 lists, dicts, strings and numbers; decoding builds only the DCP metadata classes named in
-``_CLASSES`` (an allowlist) and torch's dtypes, layouts and memory formats, so a tampered
-``.metadata`` can fail to load, never run code.
+``_CLASSES`` (an allowlist) and torch's dtypes, layouts and memory formats, and accepts tensor
+entries only: DCP unpickles a non-tensor ("bytes") entry with ``weights_only=False``, so one in
+a tampered ``.metadata`` could point at a payload — refused, and the load planner refuses to
+unpickle too (:class:`Planner`). A tampered checkpoint can fail to load, never run code.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from .files import CheckpointError
@@ -41,7 +44,6 @@ _CLASSES: dict[str, type] = {
     for cls in (
         dcp_metadata.Metadata,
         dcp_metadata.TensorStorageMetadata,
-        dcp_metadata.BytesStorageMetadata,
         dcp_metadata.TensorProperties,
         dcp_metadata.ChunkStorageMetadata,
         dcp_metadata.StorageMeta,
@@ -198,4 +200,24 @@ def read(directory: Path) -> dcp_metadata.Metadata:
         raise CheckpointError(f"{path}: {exc}") from exc
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{path}: expected a DCP Metadata, found {type(metadata).__name__}")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise CheckpointError(
+                f"{path}: entry {key!r}: expected tensor metadata (distamp writes tensors only), "
+                f"found {type(entry).__name__}"
+            )
     return metadata
+
+
+class Planner(DefaultLoadPlanner):
+    """DCP's load planner, less the unpickling: distamp's state dicts hold tensors only, and the
+    default planner's ``load_bytes`` runs ``torch.load(weights_only=False)`` on a byte entry —
+    which a tampered ``.metadata`` could point at a payload (an audit's probe did). ``read``
+    refuses such metadata first; this refuses the read itself too."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise CheckpointError(
+            f"DCP asked to unpickle a non-tensor entry {read_item.dest_index.fqn!r}: expected "
+            "tensors only in a distamp checkpoint; refused (it would have run torch.load with "
+            "weights_only=False)"
+        )

@@ -21,7 +21,12 @@ def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
     files.verify_share(directory, manifest["files"], 0, 1)
     metadata.read(directory)  # a clear error before DCP's
     with files.quiet_single_process(True):
-        dcp.load(dest, storage_reader=metadata.Reader(directory), no_dist=True)
+        dcp.load(
+            dest,
+            storage_reader=metadata.Reader(directory),
+            planner=metadata.Planner(),
+            no_dist=True,
+        )
 
 
 def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:

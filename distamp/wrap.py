@@ -43,6 +43,7 @@ from .masters.optimizer import (
     amp_optimizer_class,
     inner_optimizer,
     unscale_now,
+    watch_backward,
 )
 from .masters.replicated import MasterParams
 from .masters.rounds import PER_PARAMETER
@@ -194,7 +195,9 @@ def wrap(
     scalers.models = [weakref.ref(m) for m in model_list]
     _register_state_hooks(model_list, plan, scalers, cast_names, cast_ids)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
-        _make_amp_optimizer(opt, AmpOptimizerState(scalers, index, master))
+        state = AmpOptimizerState(scalers, index, master)
+        _make_amp_optimizer(opt, state)
+        watch_backward(state, master.model_params)
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)

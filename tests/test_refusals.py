@@ -308,6 +308,10 @@ def _step_twice(level, hook=None, rank=0, world=1):
     after_one = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError, match=r"step\(\) was called again on the gradients the prev"):
         opt.step()
+    # A norm logged in place in between (an audit's bypass of a check of versions) changes nothing.
+    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    with pytest.raises(RuntimeError, match=r"step\(\) was called again on the gradients the prev"):
+        opt.step()
     for key, value in model.state_dict().items():
         assert torch.equal(value, after_one[key]), key
     # After a new backward it steps again as before.

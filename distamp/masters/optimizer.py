@@ -67,6 +67,10 @@ class AmpOptimizerState:
         self.stepped_grads: list[tuple[int, int] | None] | None = None
         """grad_version of every model gradient right after the last step(): see [Note: a second
         step() on the same gradients]."""
+        self.backward_since_step = False
+        """A backward accumulated into a model gradient since the last step() (set by
+        :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
+        self.watches_backward = False
 
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
@@ -147,6 +151,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         finally:
             st.reset()
             st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
+            st.backward_since_step = False
         return None
 
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
@@ -195,6 +200,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             )
         # Without master weights (O3) the half parameters are stepped in half, like wrap's own.
         stepped = st.masters.add_group(params, fp32_masters=with_masters)
+        if st.watches_backward:
+            watch_backward(st, params)
         group = {**param_group, "params": stepped}
         if names is not None:  # one name per tensor stepped (a slice's says which elements)
             slice_names = getattr(st.masters, "slice_names", None)
@@ -387,6 +394,25 @@ def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
     return type(cls.__name__, (AmpOptimizer, cls), {"__module__": cls.__module__})
 
 
+class BackwardSeen:
+    """Post-accumulate-grad hook on each trainable model parameter: a backward reached it."""
+
+    def __init__(self, st: AmpOptimizerState) -> None:
+        self.st = st
+
+    def __call__(self, _: torch.Tensor) -> None:
+        self.st.backward_since_step = True
+
+
+def watch_backward(st: AmpOptimizerState, params: list[Any]) -> None:
+    """See [Note: a second step() on the same gradients]: hook ``params`` (the trainable ones)."""
+    hook = BackwardSeen(st)
+    for param in params:
+        if param.requires_grad and param.is_leaf:
+            param.register_post_accumulate_grad_hook(hook)
+    st.watches_backward = True
+
+
 def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
     """[Note: a second step() on the same gradients] A step() with no backward since the last one
     finds the gradients that step used, in whatever state it left them: under O2/O3 the model's
@@ -394,11 +420,24 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
     reduce-scatter hook they are this rank's own unreduced ones, after a skipped step they hold
     the inf. Taking them as fresh unscaled gradients made an audit's O2 update 65536x too large.
     torch's GradScaler refuses a second step() before update(); so does distamp, at every
-    opt_level: the same gradients, unchanged since the last step(), are refused by name."""
+    opt_level: gradients the last step() used, with no backward since, are refused by name.
+    "No backward since" is seen by a post-accumulate-grad hook on every trainable parameter (an
+    in-place touch such as logging a norm with clip_grad_norm_ changes a gradient's version, not
+    the fact that no backward ran: an audit's logged norm let the 65536x step through a check
+    of versions); the gradients the last step used are the same tensor objects. Under FSDP
+    (whose sharded gradients no hook of a parameter sees) the versions still decide."""
     if st.stepped_grads is None:
         return
     now = [grad_version(p) for p in st.masters.model_params]
-    if now == st.stepped_grads and any(v is not None for v in now):
+    if st.watches_backward:
+        same = [
+            v is not None and w is not None and v[0] == w[0]
+            for v, w in zip(now, st.stepped_grads, strict=False)
+        ]
+        stale = not st.backward_since_step and any(same)
+    else:
+        stale = now == st.stepped_grads and any(v is not None for v in now)
+    if stale:
         raise RuntimeError(
             "optimizer.step() was called again on the gradients the previous step() used (no "
             "backward since, the .grad unchanged); expected a backward inside distamp.scale_loss "

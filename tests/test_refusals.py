@@ -356,6 +356,7 @@ def _trained(level, lr):
         ("other opt_level", r"saved at opt_level 'O0', this optimizer is wrapped at 'O2'"),
         ("bad scale", r"loss scaler 0: loss scaler state: expected a positive finite scale"),
         ("bad count", r"expected a count >= 0 for 'clean_steps', got -3"),
+        ("bad state shape", r"state 'exp_avg' of parameter \d+ has shape \(3,\), expected"),
     ],
 )
 def test_optimizer_load_state_dict_refuses_before_changing_anything(damage, pattern):
@@ -366,9 +367,13 @@ def test_optimizer_load_state_dict_refuses_before_changing_anything(damage, patt
         other = _trained("O0", 0.5)[1].state_dict()
     else:
         other = _trained("O2", 0.5)[1].state_dict()
-        other["distamp"]["scalers"][0].update(
-            {"scale": -1.0} if damage == "bad scale" else {"clean_steps": -3}
-        )
+        if damage == "bad state shape":
+            last = max(other["state"])
+            other["state"][last]["exp_avg"] = torch.zeros(3)
+        else:
+            other["distamp"]["scalers"][0].update(
+                {"scale": -1.0} if damage == "bad scale" else {"clean_steps": -3}
+            )
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=pattern):
         opt.load_state_dict(other)

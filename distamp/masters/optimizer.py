@@ -251,6 +251,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         error = None
         try:
             _check_loadable(extra, st)
+            _check_inner_state(self, state_dict)
         except ValueError as exc:
             error = str(exc)
         group = st.group.process_group
@@ -349,6 +350,32 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
     for key in ("steps", "skipped_steps"):
         if isinstance(extra.get(key), bool) or not isinstance(extra.get(key), int):
             raise ValueError(f"{where}: expected an int for {key!r}, got {extra.get(key)!r}")
+
+
+def _check_inner_state(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """torch.optim's own classes keep per-parameter state shaped like the parameter (exp_avg,
+    momentum_buffer, ...): a saved tensor of another shape is refused here, before anything is
+    loaded (torch would load it and fail at the next step)."""
+    from .rounds import PER_PARAMETER
+
+    if not isinstance(opt, PER_PARAMETER):
+        return
+    mine = [p for g in opt.param_groups for p in g["params"]]
+    saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+    if len(saved_ids) != len(mine):
+        return  # torch's own check says so, before it changes anything
+    by_id = dict(zip(saved_ids, mine, strict=True))
+    for key, entry in (state_dict.get("state") or {}).items():
+        param = by_id.get(key)
+        if param is None or not isinstance(entry, dict):
+            continue
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"optimizer.load_state_dict: state {name!r} of parameter {key} has shape "
+                    f"{tuple(value.shape)}, expected {tuple(param.shape)} (the tensor this "
+                    "optimizer steps there)"
+                )
 
 
 def unscale_now(st: AmpOptimizerState) -> None:

@@ -615,6 +615,7 @@ def clip_grad_norm_(
     total = st.masters.clip_(max_norm, norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
         st.unscaled_shards = st.masters.shard_grad_versions()
+        st.unscaled_sample = st.masters.shard_grad_sample()
     return total
 
 

@@ -143,13 +143,18 @@ def _clip_param_groups(rank, world, how):
                         if how == "model"
                         else [p for g in opt.param_groups for p in g["params"]]
                     )
-                    torch.nn.utils.clip_grad_norm_(params, 0.05)
+                    if how == "value":
+                        torch.nn.utils.clip_grad_value_(
+                            [p for g in opt.param_groups for p in g["params"]], 0.01
+                        )
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, 0.05)
                 opt.step()
                 opt.zero_grad()
                 step += 1
         except RuntimeError as exc:
             caught.append((step, str(exc)))
-    messages = [str(w.message) for w in seen if "param_groups were changed" in str(w.message)]
+    messages = [str(w.message) for w in seen if "scaled by one factor" in str(w.message)]
     weights = {k: v.float().clone() for k, v in model.state_dict().items()}
     return caught, messages, weights
 
@@ -162,8 +167,10 @@ def test_a_norm_over_sharded_param_groups_is_warned_about_and_parted_ranks_raise
         assert "distamp.clip_grad_norm_(optimizer, max_norm)" in caught[0][1]
 
 
-@pytest.mark.parametrize("how", ["distamp", "model"])
+@pytest.mark.parametrize("how", ["distamp", "model", "value"])
 def test_the_global_clipping_habits_stay_silent_under_sharded_masters(how):
+    """distamp's clipping, torch's over model.parameters(), and an elementwise clip_grad_value_
+    over param_groups (Lightning's "value" algorithm: exact on slices) neither warn nor part."""
     (caught0, messages0, w0), (caught1, messages1, w1) = run_ranks(_clip_param_groups, 2, how)
     assert caught0 == caught1 == [] and messages0 == messages1 == []
     for name, value in w0.items():

@@ -64,6 +64,8 @@ class AmpOptimizerState:
         """With sharded masters, grad_version of the shard slices right after a public unscale_
         (see [Note: clipping what param_groups hold] in sharded.py)."""
         self.warned_shards_touched = False
+        self.unscaled_sample: torch.Tensor | None = None
+        """A few shard gradient values right after that unscale_ (see ``shard_grad_sample``)."""
         self.stepped_grads: list[tuple[int, int] | None] | None = None
         """grad_version of every model gradient right after the last step(): see [Note: a second
         step() on the same gradients]."""
@@ -386,6 +388,8 @@ def unscale_now(st: AmpOptimizerState) -> None:
     st.group.unscale_and_decide(st)
     st.masters.expose_unscaled(inv_scale)
     st.unscaled_shards = st.masters.shard_grad_versions() or None
+    if st.unscaled_shards is not None:
+        st.unscaled_sample = st.masters.shard_grad_sample()
 
 
 def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
@@ -478,14 +482,23 @@ def _warn_if_shards_touched(st: AmpOptimizerState) -> None:
     """See [Note: clipping what param_groups hold] in sharded.py: once per optimizer."""
     if st.unscaled_shards is None or st.warned_shards_touched:
         return
-    if st.masters.shard_grad_versions() != st.unscaled_shards:
+    if st.masters.shard_grad_versions() == st.unscaled_shards or st.unscaled_sample is None:
+        return
+    before, now = st.unscaled_sample, st.masters.shard_grad_sample()
+    if now is None or now.shape != before.shape:
+        return
+    seen = (before != 0) & before.isfinite() & now.isfinite()
+    if not bool(seen.any()):
+        return
+    ratio = now[seen] / before[seen]
+    uniform = bool(((ratio - ratio[0]).abs() <= 1e-6 * ratio[0].abs()).all())
+    if uniform and float(ratio[0]) != 1.0:  # every value times one factor: a norm clip
         st.warned_shards_touched = True
         warnings.warn(
-            "optimizer.step(): the gradients in optimizer.param_groups were changed after "
-            "unscale_; with sharded masters (shard_master_weights) they are this rank's shard "
-            "of the model's: an elementwise change (clip_grad_value_) is exact, but a norm over "
-            "them (clip_grad_norm_ over param_groups, amp.master_params) is this rank's, not the "
-            "model's. Expected distamp.clip_grad_norm_(optimizer, max_norm), or torch's "
+            "optimizer.step(): the gradients in optimizer.param_groups were scaled by one factor "
+            "after unscale_, as a norm clip does; with sharded masters (shard_master_weights) "
+            "they are this rank's shard of the model's, so a norm over them (clip_grad_norm_ "
+            "over param_groups, amp.master_params) is this rank's, not the model's. Expected distamp.clip_grad_norm_(optimizer, max_norm), or torch's "
             "clip_grad_norm_ over model.parameters() after distamp.unscale_(optimizer)",
             stacklevel=3,
         )

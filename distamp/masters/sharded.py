@@ -392,8 +392,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     # habit, apex's ``amp.master_params``) is this rank's, not the model's: each rank clips by
     # another coefficient, so the shards are clipped wrongly and the whole-stepped parameters
     # leave each other — an audit's two ranks held different LayerNorm weights after 3 steps,
-    # silently. Two guards: ``step()`` warns once when the shard gradients were changed after
-    # ``unscale_`` (an elementwise change such as clip_grad_value_ is exact; a norm is not), and
+    # silently. Two guards: ``step()`` warns once when the shard gradients were all multiplied by
+    # one factor after ``unscale_`` (a norm clip; an elementwise change such as clip_grad_value_
+    # is exact and not warned about: a sample of the values tells them apart), and
     # the skip decision's all-reduce carries a fingerprint of the whole-stepped parameters (two
     # more numbers in the same collective), so ranks that parted raise, every one of them, at
     # the next step instead of training apart.
@@ -414,6 +415,17 @@ class ShardedMasterParams(WeightGather, ModelGrads):
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
         return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]
+
+    def shard_grad_sample(self) -> torch.Tensor | None:
+        """The first few gradient values of every slice (FP32, a copy): what tells a norm clip
+        (every value times one factor) from an elementwise change such as clip_grad_value_."""
+        parts = [
+            chunk.grad.detach().reshape(-1)[:4].float()
+            for chunks in self.chunks
+            for chunk in chunks
+            if chunk.grad is not None
+        ]
+        return torch.cat(parts) if parts else None
 
     def replica_fingerprint(self) -> torch.Tensor | None:
         """``[h, -h]``: a hash of the bits of the parameters every rank steps whole, as two

@@ -614,8 +614,7 @@ def clip_grad_norm_(
     st.masters.take_modified_model_grads()
     total = st.masters.clip_(max_norm, norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
-        st.unscaled_shards = st.masters.shard_grad_versions()
-        st.unscaled_sample = st.masters.shard_grad_sample()
+        st.record_shard_grads()
     return total
 
 

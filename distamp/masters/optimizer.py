@@ -26,7 +26,7 @@ from ..config import HALF_DTYPES
 from ..forensics import NonFiniteReport
 from ..optstate import OptState
 from .base import grad_version
-from .rounds import round_step, step_in_rounds
+from .rounds import PER_PARAMETER, round_step, step_in_rounds
 
 if TYPE_CHECKING:
     from ..scaler import Backward, ScalerGroup
@@ -73,6 +73,13 @@ class AmpOptimizerState:
         """A backward accumulated into a model gradient since the last step() (set by
         :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
         self.watches_backward = False
+
+    def record_shard_grads(self) -> None:
+        """What the shard gradients are right after unscale_ (or distamp's own clipping, which
+        is the global one): see [Note: clipping what param_groups hold] in sharded.py."""
+        self.unscaled_shards = self.masters.shard_grad_versions() or None
+        if self.unscaled_shards is not None:
+            self.unscaled_sample = self.masters.shard_grad_sample()
 
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
@@ -358,8 +365,6 @@ def _check_inner_state(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -
     """torch.optim's own classes keep per-parameter state shaped like the parameter (exp_avg,
     momentum_buffer, ...): a saved tensor of another shape is refused here, before anything is
     loaded (torch would load it and fail at the next step)."""
-    from .rounds import PER_PARAMETER
-
     if not isinstance(opt, PER_PARAMETER):
         return
     mine = [p for g in opt.param_groups for p in g["params"]]
@@ -387,9 +392,7 @@ def unscale_now(st: AmpOptimizerState) -> None:
     inv_scale = 1.0 / st.grad_scale
     st.group.unscale_and_decide(st)
     st.masters.expose_unscaled(inv_scale)
-    st.unscaled_shards = st.masters.shard_grad_versions() or None
-    if st.unscaled_shards is not None:
-        st.unscaled_sample = st.masters.shard_grad_sample()
+    st.record_shard_grads()
 
 
 def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:

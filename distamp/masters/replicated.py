@@ -30,6 +30,9 @@ class MasterParams(ModelGrads):
         self.model_params = model_params
         self.masters = masters
         self.separate = [m is not p for p, m in zip(model_params, masters, strict=True)]
+        self.weight_versions: list[int] = []
+        """Each weight's version counter after the masters last wrote it: see [Note: weights
+        written after wrap] in base.py."""
 
     @classmethod
     def take(
@@ -85,9 +88,10 @@ class MasterParams(ModelGrads):
 
     def take_written_weights(self) -> None:
         """See [Note: weights written after wrap] in base.py."""
-        recorded: list[int] | None = getattr(self, "weight_versions", None)
-        if recorded is not None and len(recorded) == len(self.model_params):
-            for p, s, version in zip(self.model_params, self.separate, recorded, strict=True):
+        if len(self.weight_versions) == len(self.model_params):  # (a group added since: new)
+            for p, s, version in zip(
+                self.model_params, self.separate, self.weight_versions, strict=True
+            ):
                 if s and p._version != version:
                     self.load_value(p, p.detach())
         self._record_weights()

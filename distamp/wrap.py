@@ -41,6 +41,7 @@ from .masters.optimizer import (
     AmpOptimizerState,
     AmpOptimizerWrapper,
     amp_optimizer_class,
+    drop_cleared_gradients,
     inner_optimizer,
     unscale_now,
     watch_backward,
@@ -551,6 +552,7 @@ def scale_loss(
             f"{loss_id!r}; pass num_losses to distamp.wrap to use more losses"
         )
     for st in states:
+        drop_cleared_gradients(st)
         if st.state is OptState.UNSCALED:
             raise RuntimeError(
                 "scale_loss: unscale_() (or clip_grad_norm_) was already called on this optimizer "
@@ -571,6 +573,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     if disabled is not None:
         return
     (st,) = states
+    drop_cleared_gradients(st)
     if st.state is OptState.UNSCALED:
         raise RuntimeError(
             "unscale_() has already been called on this optimizer since the last step()"
@@ -602,6 +605,7 @@ def clip_grad_norm_(
         ]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     (st,) = states
+    drop_cleared_gradients(st)
     if st.state is OptState.SCALED:
         st.group.unscale_and_decide(st)
     elif st.state is OptState.READY:

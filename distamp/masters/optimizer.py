@@ -109,6 +109,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "through distamp.scale_loss); call step() without a closure"
             )
         st = self._distamp
+        drop_cleared_gradients(st)
         # Stops at the first gradient: O(1) on a normal step.
         no_grads = all(p.grad is None for p in st.masters.model_params)
         if no_grads:
@@ -445,6 +446,23 @@ def watch_backward(st: AmpOptimizerState, params: list[Any]) -> None:
         if param.requires_grad and param.is_leaf:
             param.register_post_accumulate_grad_hook(hook)
     st.watches_backward = True
+
+
+def drop_cleared_gradients(st: AmpOptimizerState) -> None:
+    """[Note: gradients cleared outside optimizer.zero_grad()] ``optimizer.zero_grad()`` drops the
+    pending ``scale_loss`` blocks with the gradients, but scripts also clear them with
+    ``model.zero_grad()`` (apex's DCGAN, Hugging Face's Trainer) or ``p.grad = None``, for instance
+    to discard a batch whose loss came out NaN. The blocks then stayed pending: the next clean
+    step was skipped for that NaN and the scale halved, or the next ``scale_loss`` after an
+    ``unscale_`` refused to run. Called where the next block, step or unscale begins: with every
+    model gradient gone, nothing is pending, so the blocks are dropped as ``zero_grad`` drops
+    them. O(1) while any gradient is there (the scan stops at the first)."""
+    if st.state is OptState.READY:
+        return
+    if any(p.grad is not None for p in st.masters.model_params):
+        return
+    st.group.forget(st)
+    st.reset()  # releases the masters' and shards' gradients, as zero_grad does
 
 
 def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:

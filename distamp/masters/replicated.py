@@ -174,6 +174,7 @@ class MasterParams(ModelGrads):
         for master, separate in zip(self.masters, self.separate, strict=True):
             if separate:
                 master.grad = None
+        self.exposed = {}  # the model gradients unscale_ exposed are gone with them
 
     def master_bytes(self) -> int:
         return sum(

@@ -321,6 +321,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.reduced = set()
         if self.grad_buffer is None:
             self.shard_grads = [None] * len(self.shards)
+        self.exposed = {}  # the model gradients unscale_ exposed are gone with them
 
     # -- distamp's reduce-scatter hook (distamp/hooks/zero.py) -----------------------------------
 

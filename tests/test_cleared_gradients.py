@@ -1,0 +1,116 @@
+"""Gradients cleared outside ``optimizer.zero_grad()`` drop the pending ``scale_loss`` blocks.
+
+Scripts discard a batch (a NaN loss, a gradient-norm spike) by clearing the gradients the way
+they clear them every iteration: ``model.zero_grad()`` (apex's DCGAN, Hugging Face's Trainer) or
+``p.grad = None``. The run must then equal one that never saw that batch, as it does with
+``optimizer.zero_grad()`` and with torch.amp's GradScaler: no skipped step and no halved scale
+afterwards, no refusal at the next ``scale_loss``. Single process and 2 gloo ranks (sharded
+masters, distamp's reduce-scatter hook).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from models import mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+
+BAD = 2  # the batch that is discarded
+
+
+def _clear(how, model, opt):
+    if how == "optimizer":
+        opt.zero_grad()
+    elif how == "model":
+        model.zero_grad()
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+def _batches(n, rows):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)) for _ in range(n)
+    ]
+
+
+def _run(model, opt, forward, how, discard, spike, rank=0, per_rank=4):
+    """Train 6 batches; batch BAD is discarded (a NaN loss, or a spike seen after unscale_)."""
+    log = []
+    for i, (x, y) in enumerate(_batches(6, per_rank * 2)):
+        x = x[rank * per_rank : (rank + 1) * per_rank]
+        y = y[rank * per_rank : (rank + 1) * per_rank]
+        if i == BAD and discard is None:
+            continue
+        if i == BAD and discard == "nan":
+            x = x * float("nan")
+        _clear(how, model, opt)
+        loss = F.mse_loss(forward(x).float(), y)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if i == BAD and spike:
+            distamp.unscale_(opt)  # looked at the norm, then threw the batch away
+        if i == BAD:
+            _clear(how, model, opt)
+            continue
+        opt.step()
+        s = distamp.stats(opt)
+        log.append((s.last_step_skipped, s.loss_scales[0]))
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), log
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("how", ["optimizer", "model", "none"])
+@pytest.mark.parametrize("discard", ["nan", "spike"])
+def test_discarded_batch_equals_a_run_without_it(level, how, discard):
+    def train(how, discard):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+        return _run(model, opt, model, how, discard, discard == "spike")
+
+    reference, ref_log = train("optimizer", None)  # never saw the batch
+    weights, log = train(how, discard)
+    assert log == ref_log
+    assert all(not skipped and scale == 2.0**16 for skipped, scale in log)
+    assert torch.equal(weights, reference)
+
+
+def test_cleared_gradients_then_step_says_no_gradients():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    x, y = _batches(1, 4)[0]
+    with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="no gradients were produced since the last step"):
+        opt.step()
+
+
+def _ranks(rank, world, how, discard):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)  # sharded at 2 ranks
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    weights, log = _run(model, opt, ddp, how, discard, False, rank=rank)
+    return weights, log, distamp.stats(opt).master_bytes
+
+
+@pytest.mark.xdist_group("multirank")
+def test_discard_on_every_rank_with_sharded_masters_and_the_reduce_scatter_hook():
+    reference = run_ranks(_ranks, 2, "optimizer", None)
+    for how in ("model", "none"):
+        results = run_ranks(_ranks, 2, how, "nan")
+        for (weights, log, sharded_bytes), (ref_weights, ref_log, _) in zip(
+            results, reference, strict=True
+        ):
+            assert log == ref_log and not any(skipped for skipped, _ in log)
+            assert torch.equal(weights, ref_weights)
+            assert sharded_bytes < sum(p.numel() * 4 for p in mlp().parameters())

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from . import casting
 from .masters.optimizer import AmpOptimizer, inner_optimizer
 from .optstate import OptState
 from .scaler import ScalerGroup
@@ -273,13 +274,17 @@ def promote_function(fn: F) -> F:
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
     """apex's ``with amp.disable_casts():``: no automatic casting inside the block — O1's
-    autocast is off there on every device type it was on — so ops run in their inputs' dtypes,
-    as in apex."""
-    with contextlib.ExitStack() as stack:
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
+    autocast is off there on every device type it was on, also inside the forward of a wrapped
+    model called in the block — so ops run in their inputs' dtypes, as in apex."""
+    token = casting.CASTS_OFF.set(True)  # see [Note: casts turned off around a call]
+    try:
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            yield
+    finally:
+        casting.CASTS_OFF.reset(token)
 
 
 def _register(module: Any, name: str, decorator: Callable[[F], F], what: str) -> None:

@@ -11,6 +11,7 @@ replicate, deepcopy, FSDP's own class swap, a thread pool) keeps it, and torch i
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import fnmatch
@@ -23,6 +24,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .config import Properties
+
+CASTS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("distamp_casts_off", default=False)
+"""[Note: casts turned off around a call] True inside apex's ``with amp.disable_casts():``. apex's
+O1 patched torch's functions, so a block around a model call ran the whole forward uncast; distamp
+enters autocast inside ``forward``, which would turn it back on. The wrapped forward reads this
+flag instead. Scoped to the block and to its thread or task, like torch.autocast's own state;
+the variable itself is never rebound."""
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 """torch's normalization classes (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."""
@@ -121,7 +129,7 @@ class AmpModule(nn.Module):
             args = cast_floating(args, policy.input_dtype)
             if kwargs:
                 kwargs = cast_floating(kwargs, policy.input_dtype)
-        if policy.autocast_dtype is not None:
+        if policy.autocast_dtype is not None and not CASTS_OFF.get():
             with torch.autocast(policy.device_type, dtype=policy.autocast_dtype):
                 output = super().forward(*args, **kwargs)
         else:

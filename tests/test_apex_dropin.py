@@ -1,6 +1,7 @@
 """``from distamp import amp``: an apex.amp script runs with only the import changed, and matches
 the same training written on distamp.wrap."""
 
+import copy
 import io
 
 import pytest
@@ -163,6 +164,22 @@ def test_disable_casts_turns_o1s_casting_off_inside_the_block_only():
         assert torch.is_autocast_enabled("cpu")  # back on after the block
     with amp.disable_casts():  # outside autocast: nothing to turn off
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_disable_casts_around_a_call_runs_the_whole_forward_uncast():
+    """apex's flag was global, so a block around the model's call ran all of forward in FP32;
+    distamp's forward enters autocast itself and must not turn it back on there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fp32 = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.disable_casts():
+        out = model(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, fp32(x))  # FP32 weights, FP32 math: exactly the unwrapped model
+    assert model(x).dtype == torch.bfloat16  # on again after the block
 
 
 def test_what_apex_had_that_no_longer_makes_sense_says_what_to_write():

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_
 from .masters.nonfinite import check_and_unscale_
+from .masters.optimizer import inner_optimizer
 from .scaler import LossScaler
 
 
@@ -128,6 +129,7 @@ class GradScaler:
             )
         if stage is _Stage.STEPPED:
             raise RuntimeError("GradScaler.unscale_() is being called after step(); call update()")
+        _refuse_master_weights(optimizer)
         grads = [
             p.grad
             for group in optimizer.param_groups
@@ -272,3 +274,21 @@ def _checked(name: str, value: float, *, low: float, high: float = float("inf"))
             f"GradScaler: {name} expected a number in ({low:g}, {high:g}), got {value!r}"
         )
     return float(value)
+
+
+def _refuse_master_weights(optimizer: torch.optim.Optimizer) -> None:
+    """A half-migrated script: ``distamp.wrap(..., opt_level="O2")`` added, GradScaler kept. The
+    optimizer's param_groups then hold FP32 masters, which get gradients only inside distamp's
+    own step, so the scaler found none and said "run backward first" after a backward. Raised on
+    every rank alike (wrap made every rank's optimizer the same), before any collective."""
+    inner = inner_optimizer(optimizer)
+    st = getattr(inner, "_distamp", None)
+    if st is not None and st.group.props.master_weights:
+        raise RuntimeError(
+            f"GradScaler: this optimizer was wrapped by distamp.wrap (opt_level "
+            f"{st.group.props.opt_level}): its param_groups hold FP32 master weights, which get "
+            "their gradients inside optimizer.step(), and distamp scales its losses itself. "
+            "Expected `with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
+            "`optimizer.step()` in place of the GradScaler calls (or GradScaler with an unwrapped "
+            "optimizer under torch.autocast)"
+        )

@@ -121,7 +121,9 @@ class LossScaler:
         self.clean_steps += 1
         if self.clean_steps >= self.growth_interval:
             self.clean_steps = 0
-            grown = min(self.scale * self.growth_factor, self.max_loss_scale)
+            # Capped at max_loss_scale; a scale above it (loaded from torch's uncapped GradScaler)
+            # is kept, never lowered by a growth step.
+            grown = min(self.scale * self.growth_factor, max(self.max_loss_scale, self.scale))
             # Growth never makes the scale non-finite, whatever max_loss_scale is: the scale
             # multiplies an FP32 loss, so it stays a finite FP32 number (at most 2**127).
             if grown <= FP32_MAX:

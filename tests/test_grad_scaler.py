@@ -96,3 +96,41 @@ def test_growth_never_reaches_inf_and_state_round_trips():
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(opt)
         scaler.unscale_(opt)
+
+
+def test_a_loaded_scale_above_the_cap_is_kept_not_lowered_by_growth():
+    """torch's GradScaler has no cap; a state dict from it with a scale above distamp's
+    max_scale (2**24) loads as is, and a growth step must not turn into a back-off."""
+    scaler = distamp.GradScaler(growth_interval=1)
+    state = torch.amp.GradScaler("cpu", init_scale=2.0**26).state_dict()
+    scaler.load_state_dict(state)
+    opt = torch.optim.SGD(mlp().parameters(), lr=0.0)
+    for _ in range(3):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.zeros_like(p)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**26
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_wrapped_o2_optimizer_with_a_grad_scaler_says_what_to_write(level):
+    """A half-migrated script: wrap(..., "O2") added, the GradScaler calls kept. O2's optimizer
+    steps FP32 masters that get gradients only in its own step(): named, not "run backward
+    first". O3 has no masters: the scaler unscales the half gradients it steps."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    scaler = distamp.GradScaler()
+    x, y = next(iter(data(1, 4)))
+    scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+    if level == "O2":
+        with pytest.raises(
+            RuntimeError, match=r"wrapped by distamp.wrap \(opt_level O2\).*scale_loss"
+        ):
+            scaler.step(opt)
+        assert all(p.grad is not None for p in model.parameters())  # nothing lost
+    else:
+        with pytest.warns(UserWarning, match="without distamp.scale_loss"):
+            scaler.step(opt)
+        scaler.update()

@@ -40,8 +40,9 @@ from .wrap import unscale_, wrap
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_REGISTRY: dict[str, ScalerGroup] = {}
-"""The scalers of the latest ``initialize`` (see [Note: the apex registry])."""
+_REGISTRY: dict[str, ScalerGroup | None] = {}
+"""The scalers of the latest ``initialize`` (see [Note: the apex registry]); None when it made
+none (``enabled=False``, or no optimizer)."""
 
 
 def initialize(
@@ -85,6 +86,7 @@ def initialize(
         **distamp_options,
     )
     _REGISTRY.clear()
+    _REGISTRY["group"] = None
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     for opt in opts:
         if isinstance(opt, AmpOptimizer):
@@ -144,12 +146,20 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def load_state_dict(state: dict[str, Any]) -> None:
     """Restore :func:`state_dict`'s output into the scalers of the latest ``initialize``."""
-    group = _REGISTRY.get("group")
-    if group is None:
+    if "group" not in _REGISTRY:
         raise RuntimeError(
             "amp.load_state_dict: expected amp.initialize(model, optimizer, ...) to be called "
             "first (apex's order: initialize, then load the model, optimizer and amp state)"
         )
+    group = _REGISTRY["group"]
+    if group is None:  # initialize(enabled=False) or without optimizers: no scalers, a no-op
+        if state:
+            warnings.warn(
+                f"amp.load_state_dict: the latest amp.initialize made no loss scalers "
+                f"(enabled=False, or no optimizer), so {sorted(state)} are not loaded",
+                stacklevel=2,
+            )
+        return
     if len(state) != len(group.scalers):
         raise ValueError(
             f"amp.load_state_dict: expected {len(group.scalers)} loss scaler(s) (num_losses), "

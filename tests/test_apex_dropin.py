@@ -191,3 +191,17 @@ def test_what_apex_had_that_no_longer_makes_sense_says_what_to_write():
         amp.init()
     with pytest.raises(RuntimeError, match=r"amp\.initialize\(model, optimizer, opt_level='O2'\)"):
         amp.FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_apex_checkpoint_recipe_with_amp_disabled_is_a_no_op():
+    """apex's recipe saves ``amp.state_dict()`` and loads it after the same ``initialize``; with
+    ``enabled=False`` there are no scalers: an empty state loads as a no-op, a saved one is
+    ignored with a warning (apex printed one)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", enabled=False, verbosity=0)
+    saved = amp.state_dict()
+    assert saved == {}
+    amp.load_state_dict(saved)
+    with pytest.warns(UserWarning, match=r"made no loss scalers.*loss_scaler0"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}})

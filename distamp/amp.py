@@ -34,7 +34,7 @@ from torch import nn
 from . import casting
 from .masters.optimizer import AmpOptimizer, inner_optimizer
 from .optstate import OptState
-from .scaler import ScalerGroup
+from .scaler import LossScaler, ScalerGroup
 from .wrap import scale_loss as _scale_loss
 from .wrap import unscale_, wrap
 
@@ -54,7 +54,7 @@ def initialize(
     patch_torch_functions: bool | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     master_weights: bool | None = None,
-    loss_scale: float | str | None = None,
+    loss_scale: float | str | LossScaler | None = None,
     cast_model_outputs: torch.dtype | None = None,
     num_losses: int = 1,
     verbosity: int = 1,

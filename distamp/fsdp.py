@@ -46,7 +46,7 @@ from .masters.base import ModelGrads
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
-from .scaler import ScalerGroup
+from .scaler import ScalerGroup, split_loss_scale
 
 BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
 
@@ -293,6 +293,18 @@ def fully_shard(
         device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     # A check failing on one rank only must not leave the others waiting in the next collective.
     with checks_on_every_rank("distamp.fsdp.fully_shard", group):
+        template = None
+        if "loss_scale" in overrides:
+            (
+                overrides["loss_scale"],
+                overrides["min_loss_scale"],
+                overrides["max_loss_scale"],
+                template,
+            ) = split_loss_scale(
+                overrides["loss_scale"],
+                overrides.get("min_loss_scale"),
+                overrides.get("max_loss_scale", 2.0**24),
+            )
         props = resolve_properties(
             opt_level,
             device_type=device_type,
@@ -333,7 +345,7 @@ def fully_shard(
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     masters = FSDPParams(params, group, props)
-    scalers = ScalerGroup(props, group, {id(p): n for n, p in new_params.items()})
+    scalers = ScalerGroup(props, group, {id(p): n for n, p in new_params.items()}, template)
     from .wrap import _make_amp_optimizer
 
     _make_amp_optimizer(optimizer, AmpOptimizerState(scalers, 0, masters))

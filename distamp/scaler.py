@@ -71,6 +71,17 @@ class LossScaler:
             raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval!r}")
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        self.settings: dict[str, Any] = {
+            "loss_scale": loss_scale,
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+            "hysteresis": hysteresis,
+            "min_loss_scale": min_loss_scale,
+            "max_loss_scale": max_loss_scale,
+        }
+        """The constructor's arguments: what :meth:`fresh` builds another scaler from."""
         self.dynamic = loss_scale == "dynamic"
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -91,6 +102,12 @@ class LossScaler:
         self.consecutive_skips = 0
         self.skipped_at_floor = False
         """The last overflow happened when the scale could not back off any further."""
+
+    def fresh(self) -> LossScaler:
+        """A new scaler with this one's settings and none of its state: ``wrap(...,
+        loss_scale=LossScaler(...))`` gives each loss one (see :func:`split_loss_scale`)."""
+        settings = dict(self.settings)
+        return LossScaler(settings.pop("loss_scale"), **settings)
 
     @property
     def at_floor(self) -> bool:
@@ -169,6 +186,26 @@ class LossScaler:
         self.consecutive_skips = int(state["consecutive_skips"])
 
 
+def split_loss_scale(
+    loss_scale: object, min_loss_scale: float | None, max_loss_scale: float
+) -> tuple[Any, float | None, float, LossScaler | None]:
+    """``wrap``'s ``loss_scale`` may be a :class:`LossScaler`: the settings apex's arguments do not
+    reach (hysteresis, growth_interval, growth and backoff factors, init_scale: DeepSpeed's
+    ``hysteresis``, ``loss_scale_window``, ``initial_scale_power``). Returns the plain
+    ``loss_scale``, ``min_loss_scale`` and ``max_loss_scale`` the properties record, and the
+    scaler each loss gets a fresh copy of (None for a plain ``loss_scale``)."""
+    if not isinstance(loss_scale, LossScaler):
+        return loss_scale, min_loss_scale, max_loss_scale, None
+    if min_loss_scale is not None or max_loss_scale != 2.0**24:
+        raise ValueError(
+            "loss_scale=LossScaler(...): expected min_loss_scale and max_loss_scale on the "
+            f"LossScaler, found them passed to wrap too (min_loss_scale={min_loss_scale}, "
+            f"max_loss_scale={max_loss_scale}); pass them in one place"
+        )
+    plain = "dynamic" if loss_scale.dynamic else float(loss_scale.settings["loss_scale"])
+    return plain, loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale
+
+
 def all_reduce_max_(flags: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Collective over ``group`` (when distributed): element-wise MAX of ``flags`` across ranks."""
     return all_reduce_(flags, dist.ReduceOp.MAX, group)
@@ -204,13 +241,16 @@ class ScalerGroup:
         props: Properties,
         process_group: dist.ProcessGroup | None,
         param_names: dict[int, str],
+        template: LossScaler | None = None,
     ) -> None:
         self.props = props
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.param_names = param_names
         self.scalers = [
-            LossScaler(
+            template.fresh()
+            if template is not None
+            else LossScaler(
                 props.loss_scale,
                 min_loss_scale=props.min_loss_scale,
                 max_loss_scale=props.max_loss_scale,

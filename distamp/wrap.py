@@ -50,7 +50,7 @@ from .masters.replicated import MasterParams
 from .masters.rounds import PER_PARAMETER
 from .masters.sharded import ShardedMasterParams
 from .optstate import OptState
-from .scaler import ScalerGroup
+from .scaler import LossScaler, ScalerGroup, split_loss_scale
 
 """Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
 
@@ -87,7 +87,7 @@ def wrap(
     patch_torch_functions: bool | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     master_weights: bool | None = None,
-    loss_scale: float | str | None = None,
+    loss_scale: float | str | LossScaler | None = None,
     cast_model_outputs: torch.dtype | None = None,
     num_losses: int = 1,
     verbosity: int = 1,
@@ -127,6 +127,9 @@ def wrap(
 
     # Every rank learns of a check that failed on one rank only (instead of waiting for it).
     with checks_on_every_rank("distamp.wrap", group):
+        loss_scale, min_loss_scale, max_loss_scale, template = split_loss_scale(
+            loss_scale, min_loss_scale, max_loss_scale
+        )
         props = resolve_properties(
             opt_level,
             device_type=device_type,
@@ -153,6 +156,8 @@ def wrap(
         fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
         plan = casting.plan_precision(model_list, props, fp32_modules)
         facts = fingerprint(props, model_list, opt_list)
+        if template is not None:
+            facts.append(("loss scaler", str(sorted(template.settings.items()))))
         facts.append(("keep_fp32_modules", str(sorted(module_names(model_list, fp32_modules[0])))))
         facts.append(
             ("FP32 modules", str(sorted(module_names(model_list, list(plan.fp32_modules)))))
@@ -192,7 +197,7 @@ def wrap(
         master.after_cast()
     for opt in opt_list:
         _recast_half_state(inner_optimizer(opt) or opt)
-    scalers = ScalerGroup(props, group, names)
+    scalers = ScalerGroup(props, group, names, template)
     scalers.models = [weakref.ref(m) for m in model_list]
     _register_state_hooks(model_list, plan, scalers, cast_names, cast_ids)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):

@@ -98,3 +98,37 @@ def test_state_dict_round_trip_and_refusals():
 def test_bad_settings_are_refused(kw, name):
     with pytest.raises(ValueError, match=name):
         LossScaler(**kw)
+
+
+def test_wrap_takes_a_loss_scaler_for_the_settings_apex_arguments_do_not_reach():
+    """DeepSpeed's fp16 config (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``)
+    through ``wrap(..., loss_scale=LossScaler(...))``: each loss gets a fresh scaler with those
+    settings; the template itself is never stepped."""
+    import torch
+    import torch.nn.functional as F
+    from models import mlp
+
+    import distamp
+
+    template = LossScaler(init_scale=2.0**12, growth_interval=3, hysteresis=2)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O2", loss_scale=template, num_losses=2, verbosity=0
+    )
+    scales = []
+    for step in range(7):
+        x = torch.randn(4, 8) * (float("inf") if step in (0, 1) else 1.0)
+        for loss_id in (0, 1):
+            loss = F.mse_loss(model(x).float(), torch.zeros(4, 4))
+            with distamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        scales.append(distamp.stats(opt).loss_scales)
+    # hysteresis 2: the first overflow is tolerated, the second backs off; 3 clean steps grow
+    assert [s[0] for s in scales] == [2.0**12, 2.0**11, 2.0**11, 2.0**11, 2.0**12, 2.0**12, 2.0**12]
+    assert all(a == b for a, b in scales)  # one fresh scaler per loss, the same settings
+    assert template.scale == 2.0**12 and template.clean_steps == 0
+    with pytest.raises(ValueError, match="min_loss_scale and max_loss_scale on the LossScaler"):
+        distamp.wrap(mlp(), None, opt_level="O2", loss_scale=template, max_loss_scale=2.0**10)

@@ -371,3 +371,29 @@ def test_wire_buffers_exist_only_for_the_buckets_in_flight():
         assert 0 < r["pool"] <= r["max_in_flight"], r
         assert r["pool_bytes"] <= r["max_in_flight"] * max(r["longest"], GRAIN), r
         assert r["diff"] <= 2**-7 * r["scale"], r
+
+
+def _overlap_script_at_one_rank(rank, world):
+    """A script written for N ranks (reduce-scatter, overlapped gather, finish_gather before an
+    EMA update) run with --nproc_per_node=1: register falls back to the all-reduce hook."""
+    model = mlp()
+    ema = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    with pytest.warns(UserWarning, match="one rank"):
+        state = distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    for x, y in data(3, 4):
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        state.finish_gather()
+        for e, p in zip(ema, model.parameters(), strict=True):
+            e.lerp_(p.detach().float(), 0.1)
+    return state.buckets_reduced
+
+
+def test_a_script_written_for_the_overlapped_gather_runs_at_one_rank():
+    (reduced,) = run_ranks(_overlap_script_at_one_rank, 1)
+    assert reduced > 0

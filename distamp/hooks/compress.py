@@ -70,6 +70,12 @@ class CompressState:
     """The FP32 quotients of one stretch of a bucket on their way to the wire dtype: see
     :func:`_divide_then_cast`."""
 
+    def finish_gather(self) -> None:
+        """Nothing to wait for: the all-reduce hooks gather no weights. Here so that a script
+        written for ``register(..., overlap_gather=True)`` (which calls it before reading the
+        weights outside forward) also runs where ``register`` fell back to this hook: one
+        rank, replicated masters."""
+
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(

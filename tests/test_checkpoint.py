@@ -526,3 +526,30 @@ def test_round_trip_variants_in_one_process(tmp_path, variant):
     reference = fresh_list[0].state_dict()
     assert set(consolidated) == set(reference)
     assert all(v.dtype == torch.float32 for v in consolidated.values() if v.is_floating_point())
+
+
+def test_latest_checkpoint_skips_a_newest_checkpoint_damaged_after_its_commit(tmp_path):
+    """`--resume auto` under torchrun --max-restarts or a Slurm requeue calls latest_checkpoint on
+    every restart: a newest checkpoint cut short or missing a file after its commit must not be
+    picked again and again; the newest intact one is, with a warning naming what was skipped.
+    inspect says so too, and a save stopped between its two renames points at ``<dir>.old``."""
+    from distamp.checkpoint import offline
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    distamp.save_checkpoint(tmp_path / "step_10", model, opt, extra={"step": 10})
+    distamp.save_checkpoint(tmp_path / "step_20", model, opt, extra={"step": 20})
+    shard = next(p for p in sorted((tmp_path / "step_20").iterdir()) if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.warns(UserWarning, match=rf"skipped .*step_20.*{shard.name} \(\d+ bytes, expected"):
+        assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "step_10")
+    assert offline.inspect(tmp_path / "step_20")["damaged"] == [
+        f"{shard.name} ({shard.stat().st_size} bytes, expected {shard.stat().st_size + 10})"
+    ]
+    assert offline.inspect(tmp_path / "step_10")["damaged"] == []
+    shard.unlink()
+    with pytest.warns(UserWarning, match=rf"{shard.name} \(missing\)"):
+        assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "step_10")
+    (tmp_path / "step_10").rename(tmp_path / "latest.old")
+    with pytest.raises(distamp.CheckpointError, match=r"latest\.old holds the checkpoint"):
+        distamp.load_checkpoint(tmp_path / "latest", model, opt)

@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"on disk      {_mb(info['bytes_on_disk'])} in {len(info['files']) + 2} files")
             for name, size in sorted(info["files"].items()):
                 print(f"  {name:<24} {_mb(size)}")
+            if info["damaged"]:
+                print(
+                    f"error: damaged since the commit: {', '.join(info['damaged'])} "
+                    "(load_checkpoint and consolidate refuse it)",
+                    file=sys.stderr,
+                )
+                return 1
             return 0
         state = consolidate(args.directory, model_index=args.model_index)
         args.output.parent.mkdir(parents=True, exist_ok=True)

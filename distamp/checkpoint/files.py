@@ -102,6 +102,21 @@ def hash_share(directory: Path, rank: int, world: int) -> dict[str, list[Any]]:
     }
 
 
+def damaged_files(directory: Path, files: dict[str, list[Any]]) -> list[str]:
+    """The data files of a committed checkpoint that are missing or not the size its manifest
+    records, each as "name (why)": a stat per file, no hashing (:func:`verify_share` hashes)."""
+    bad = []
+    for name, (size, _) in sorted(files.items()):
+        try:
+            found = (directory / name).stat().st_size
+        except FileNotFoundError:
+            bad.append(f"{name} (missing)")
+            continue
+        if found != size:
+            bad.append(f"{name} ({found} bytes, expected {size})")
+    return bad
+
+
 def verify_share(directory: Path, files: dict[str, list[Any]], rank: int, world: int) -> None:
     """Check this rank's share of ``files`` against the disk; raise naming the first bad file."""
     present = set(data_files(directory))
@@ -140,6 +155,13 @@ def write_manifest_and_commit(tmp: Path, manifest: dict[str, Any]) -> None:
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a committed checkpoint; raises :class:`CheckpointError` if there is none."""
     if not directory.is_dir():
+        old = directory.with_name(directory.name + OLD)
+        if (old / COMMIT).is_file():  # a save over it was stopped between its two renames
+            raise CheckpointError(
+                f"{directory}: no such checkpoint directory, but {old} holds the checkpoint a "
+                f"save over it replaced and did not finish: load {old} "
+                "(distamp.latest_checkpoint(folder) picks it too)"
+            )
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     commit = directory / COMMIT
     if not commit.is_file():
@@ -211,12 +233,13 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest committed checkpoint directly under ``root`` (highest step, then newest), or None.
 
     Directories of saves that did not finish (``*.incomplete``) and directories whose ``COMMIT``
-    does not match their manifest are ignored. Not a collective: any rank may call it.
+    does not match their manifest are ignored; one whose data files are missing or cut short is
+    skipped with a warning (the next newest is returned). Not a collective: any rank may call it.
     """
     base = Path(root)
     if not base.is_dir():
         return None
-    best: tuple[int, float, str] | None = None
+    candidates: list[tuple[tuple[int, float, str], dict[str, Any]]] = []
     for child in base.iterdir():
         if not child.is_dir() or child.name.endswith(INCOMPLETE):
             continue
@@ -225,9 +248,22 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         except (CheckpointError, OSError, RuntimeError, ValueError):
             continue
         key = (int(manifest.get("step", 0)), (child / COMMIT).stat().st_mtime, str(child))
-        if best is None or key > best:
-            best = key
-    return best[2] if best is not None else None
+        candidates.append((key, manifest))
+    # [Note: a damaged newest checkpoint] A job restarted with `--resume auto` (torchrun
+    # --max-restarts, a Slurm requeue) would pick the same damaged checkpoint on every restart and
+    # fail each time. Files missing or cut short after the commit are found here by size (no
+    # hashing: an altered byte is still refused by load_checkpoint), and the newest intact
+    # checkpoint before it is returned, with a warning naming what was skipped.
+    for key, manifest in sorted(candidates, key=lambda c: c[0], reverse=True):
+        bad = damaged_files(Path(key[2]), manifest.get("files", {}))
+        if not bad:
+            return key[2]
+        warnings.warn(
+            f"distamp.latest_checkpoint: skipped {key[2]}, committed but damaged since: "
+            f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}",
+            stacklevel=2,
+        )
+    return None
 
 
 @contextlib.contextmanager

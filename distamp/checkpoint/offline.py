@@ -158,6 +158,7 @@ def inspect(directory: PathLike) -> dict[str, Any]:
             counted.add(canonical)
             params += numel(entry["keys"][key][0])
     sizes = {name: size for name, (size, _) in manifest["files"].items()}
+    damaged = files.damaged_files(directory, manifest["files"])
     return {
         "directory": str(directory),
         "step": manifest["step"],
@@ -172,6 +173,7 @@ def inspect(directory: PathLike) -> dict[str, Any]:
             for o in manifest["optimizers"]
         ],
         "loss_scales": [s["scale"] for s in manifest["scalers"]],
+        "damaged": damaged,
         "bytes_on_disk": sum(sizes.values())
         + (directory / files.MANIFEST).stat().st_size
         + (directory / files.COMMIT).stat().st_size,

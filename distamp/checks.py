@@ -236,10 +236,16 @@ def fingerprint(
             facts.append(
                 (f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}{meta}")
             )
+    names = {id(p): f"{i}:{n}" for i, m in enumerate(models) for n, p in m.named_parameters()}
     for i, opt in enumerate(optimizers):
         facts.append((f"optimizers[{i}] class", type(opt).__name__))
         sizes = [len(g["params"]) for g in opt.param_groups]
         facts.append((f"optimizers[{i}] param_groups sizes", str(sizes)))
+        # The order too: sharded masters lay the groups out flat in it, so a rank listing the
+        # same parameters in another order would own other elements, and the ranks diverge.
+        for g, group in enumerate(opt.param_groups):
+            order = [names.get(id(p), "(not in the models)") for p in group["params"]]
+            facts.append((f"optimizers[{i}] param_groups[{g}] parameter order", str(order)))
     return facts
 
 

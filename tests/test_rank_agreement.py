@@ -80,3 +80,25 @@ def test_a_check_failing_on_one_rank_only_raises_on_every_rank(api, problem):
     assert own is not None and expected in own
     assert other is not None and "failed on another rank — rank 1: ValueError" in other
     assert expected in other
+
+
+def _wrap_in_order(rank, world, reverse_on):
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params[::-1] if rank in reverse_on else params, lr=0.1)
+    try:
+        distamp.wrap(model, opt, opt_level="O2", verbosity=0)  # sharded at 2 ranks
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_an_optimizer_listing_the_parameters_in_another_order_is_named():
+    """Sharded masters lay the groups out flat in the optimizer's order: a rank listing the same
+    parameters in another order owned other elements, and the ranks' weights drifted apart from
+    the first step (an audit; nothing was raised, or later a misleading clipping error)."""
+    for message in run_ranks(_wrap_in_order, 2, {1}, timeout=60):
+        assert message is not None
+        assert "optimizers[0] param_groups[0] parameter order" in message
+        assert "'0:3.bias'" in message  # rank 1's list starts with the last parameter
+    assert run_ranks(_wrap_in_order, 2, {0, 1}, timeout=60) == [None, None]

@@ -553,3 +553,26 @@ def test_latest_checkpoint_skips_a_newest_checkpoint_damaged_after_its_commit(tm
     (tmp_path / "step_10").rename(tmp_path / "latest.old")
     with pytest.raises(distamp.CheckpointError, match=r"latest\.old holds the checkpoint"):
         distamp.load_checkpoint(tmp_path / "latest", model, opt)
+
+
+def _load_per_rank(rank, world, root):
+    model, opt, sched = make("O2")
+    for step in (1, 2):
+        train(model, opt, sched, rank, world, step - 1, step)
+        distamp.save_checkpoint(Path(root) / f"step_{step}", model, opt, extra={"step": step})
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        distamp.load_checkpoint(Path(root) / f"step_{rank + 1}", model, opt)  # rank 1: the other
+    except CheckpointError as err:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return str(err), unchanged
+    return None, None
+
+
+def test_ranks_handed_different_checkpoints_are_refused_on_every_rank(tmp_path):
+    """Each rank loaded its own (another step of the same run) and the ranks stepped apart."""
+    for message, unchanged in run_ranks(_load_per_rank, 2, str(tmp_path), timeout=120):
+        assert message is not None and unchanged
+        assert "expected every rank to load the same checkpoint" in message
+        assert "rank 0: " in message and "step_1 (step 1" in message
+        assert "rank 1: " in message and "step_2 (step 2" in message

@@ -353,6 +353,27 @@ def _load_rng(directory: Path, rank: int) -> None:
 # -- load ---------------------------------------------------------------------------------------
 
 
+def _same_checkpoint_on_every_rank(
+    directory: Path, manifest: dict[str, Any], group: dist.ProcessGroup | None
+) -> None:
+    """Every rank must load one checkpoint: ranks handed different ones (another step of the
+    same run) loaded each its own and stepped apart from there (an audit). Compared by the
+    manifest's hash in ``COMMIT``, not the path: node-local copies may sit at other paths."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    mine = (files.commit_digest(directory), str(directory), manifest.get("step"))
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    if any(other[0] != seen[0][0] for other in seen):
+        detail = "; ".join(
+            f"rank {rank}: {path} (step {step}, manifest {digest[:12]})"
+            for rank, (digest, path, step) in enumerate(seen)
+        )
+        raise CheckpointError(
+            f"load_checkpoint: expected every rank to load the same checkpoint, found {detail}"
+        )
+
+
 def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> dict[str, Any]:
     """Collective over the wrapped optimizer's process group: restore a checkpoint; return ``extra``.
 
@@ -371,6 +392,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
     directory = Path(directory)
     pg = target.pg
     manifest = agree("load_checkpoint", lambda: files.read_manifest(directory), pg)
+    _same_checkpoint_on_every_rank(directory, manifest, pg)
     agree("load_checkpoint", lambda: _check_compatible(manifest, target), pg)
     agree(
         "load_checkpoint: verifying files",

@@ -152,6 +152,11 @@ def write_manifest_and_commit(tmp: Path, manifest: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def commit_digest(directory: Path) -> str:
+    """The manifest's SHA-256 as ``COMMIT`` records it (after :func:`read_manifest` checked it)."""
+    return (directory / COMMIT).read_text().split()[2]
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a committed checkpoint; raises :class:`CheckpointError` if there is none."""
     if not directory.is_dir():

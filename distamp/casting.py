@@ -208,8 +208,36 @@ def _first_floating(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
 
 
 def _subclass(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any]) -> type:
-    """A subclass of ``cls`` with ``mixin`` in front; same name so reprs read as before."""
-    return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, **attrs})
+    """A subclass of ``cls`` with ``mixin`` in front; same name so reprs read as before.
+
+    [Note: pickling a wrapped model] pickle stores a class by module and name, which lead to the
+    user's class, not this one, so ``torch.save(model)`` and handing the model to a spawned
+    process failed ("not the same object as __main__.Net"). Instances of the generated class
+    pickle as "make this subclass again from (cls, mixin, attrs), then set the state"; the
+    copy runs the same forward (deepcopy takes the same road).
+    """
+    namespace = {
+        "__module__": cls.__module__,
+        "__reduce_ex__": _reduce_generated,
+        "_distamp_made_from": (cls, mixin, attrs),
+        **attrs,
+    }
+    return type(cls.__name__, (mixin, cls), namespace)
+
+
+def _reduce_generated(self: nn.Module, protocol: Any) -> Any:
+    """See [Note: pickling a wrapped model]."""
+    made = type(self).__dict__.get("_distamp_made_from")
+    reduced = object.__reduce_ex__(self, protocol)
+    if made is None or not isinstance(reduced, tuple):  # a class derived from ours (FSDP's)
+        return reduced
+    return (_rebuild_generated, made, *reduced[2:])
+
+
+def _rebuild_generated(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any]) -> Any:
+    """See [Note: pickling a wrapped model]: an empty instance of the generated subclass."""
+    made: Any = _subclass(cls, mixin, attrs)
+    return made.__new__(made)
 
 
 def device_type_of(model: nn.Module, recurse: bool = True) -> str:

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,14 +353,27 @@ def _warn_about_plan(
         )
 
 
+def _no_scalers() -> None:
+    return None
+
+
 class _LoadIntoMasters:
     """``load_state_dict`` pre-hook of a module whose parameters have FP32 masters; see [Note:
     loading weights into the masters]. Registered on every such module, so loading a submodule
     (``model.blocks[0].load_state_dict(...)``) reaches the masters too."""
 
     def __init__(self, scalers: ScalerGroup, cast: frozenset[int]) -> None:
-        self.scalers = weakref.ref(scalers)
+        self.scalers: Callable[[], ScalerGroup | None] = weakref.ref(scalers)
         self.cast = cast
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled or deep-copied model belongs to no optimizer (see [Note: pickling a wrapped
+        model] in casting.py): its copy of the hook loads into nothing."""
+        return {"cast": frozenset()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.scalers = _no_scalers
+        self.cast = state["cast"]
 
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any

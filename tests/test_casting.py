@@ -152,6 +152,39 @@ def test_autocast_lives_in_the_class_not_on_the_instance():
     assert set(matmul_dtypes(clone, torch.randn(2, 8))) == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_wrapped_model_pickles_and_its_copy_keeps_the_forward(level):
+    """torch.save(model) and handing the model to a spawned process pickle it; the generated
+    class used to pickle as the user's class and failed ("not the same object as ...")."""
+    import io
+    import pickle
+
+    model, opt = wrapped(level, torch.bfloat16)
+    x = torch.randn(2, 8)
+    for copied in (
+        pickle.loads(pickle.dumps(model)),
+        _saved_and_loaded(model, io.BytesIO()),
+        copy.deepcopy(model),
+    ):
+        assert isinstance(copied, NormMLP) and type(copied).__name__ == "NormMLP"
+        assert set(matmul_dtypes(copied, x)) == {torch.bfloat16}
+        assert torch.equal(copied(x), model(x))
+        if level == "O2":  # the norm layers keep their FP32 forward; the copy owns no masters
+            assert (
+                copied.ln.weight.dtype == torch.float32 and copied.bn.weight.dtype == torch.float32
+            )
+            before = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
+            copied.load_state_dict({k: v * 0 for k, v in copied.state_dict().items()})
+            after = [m.detach() for g in opt.param_groups for m in g["params"]]
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def _saved_and_loaded(model, buffer):
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_two_wrapped_models_are_independent():
     m1, _ = wrapped("O1", torch.bfloat16)
     m2, _ = wrapped("O0", torch.bfloat16)

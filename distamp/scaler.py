@@ -262,6 +262,8 @@ class ScalerGroup:
         """Blocks whose loss scaler has not been updated yet."""
         self._pending_overflow = [False] * props.num_losses
         self.total_skips = 0
+        self.loss_skips = 0
+        """Skips whose loss itself was non-finite (logged on their own count)."""
         self.last_nonfinite: NonFiniteReport | None = None
         self.found_inf_collectives = 0
         """All-reduces issued for the skip decision (at most one per optimizer step)."""
@@ -498,10 +500,13 @@ class ScalerGroup:
         scales = ", ".join(f"{self.scalers[j].scale:g}" for j in loss_ids) or "unchanged"
         what = str(report) if report is not None else "non-finite gradients"
         loss_itself = report is not None and report.loss_id is not None
+        # A non-finite loss is counted apart, so that the first one is logged at once even after
+        # many overflow skips; both are rate-limited (a NaN loss every step logged every step).
+        self.loss_skips += loss_itself
         if (
             self.props.verbosity >= 1
             and self.rank == 0
-            and (loss_itself or _rate_limited(self.total_skips))
+            and _rate_limited(self.loss_skips if loss_itself else self.total_skips)
         ):
             logger.warning(
                 "distamp: skipping optimizer step (%d skipped so far): %s; loss scale now %s",

@@ -113,6 +113,25 @@ def test_nan_loss_is_logged_at_once_on_rank_0(caplog):
     assert any("the loss itself (loss_id 0) was a NaN" in r.getMessage() for r in caplog.records)
 
 
+def test_a_nan_loss_every_step_is_logged_rate_limited(caplog):
+    """DESIGN 3: rate-limited. A NaN loss on every step was logged on every step: now the first
+    at once, then as the overflow skips are (the first 10, then every power of two)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O2", verbosity=1, max_consecutive_skips=1000, loss_scale=1.0
+    )
+    x, y = data(1, 4)[0]
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        for _ in range(40):
+            with distamp.scale_loss(F.mse_loss(model(x), y) * float("nan"), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    logged = [r for r in caplog.records if "the loss itself" in r.getMessage()]
+    assert len(logged) == 12  # skips 1-10, 16, 32
+
+
 class Log(nn.Module):
     def forward(self, x):
         return torch.log(x)

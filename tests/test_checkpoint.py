@@ -576,3 +576,46 @@ def test_ranks_handed_different_checkpoints_are_refused_on_every_rank(tmp_path):
         assert "expected every rank to load the same checkpoint" in message
         assert "rank 0: " in message and "step_1 (step 1" in message
         assert "rank 1: " in message and "step_2 (step 2" in message
+
+
+def test_a_failed_write_raises_checkpoint_error_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    """A disk error inside DCP's write surfaced as DCP's own exception, so code catching
+    CheckpointError around a save missed it (an audit)."""
+    from distamp.checkpoint import metadata
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 1)
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"step": 1})
+
+    def full_disk(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metadata.Writer, "write_data", full_disk)
+    with pytest.raises(
+        CheckpointError,
+        match=r"writing the tensors .* failed \(rank 0: OSError: \[Errno 28\] No space left on device\)",
+    ):
+        distamp.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"step": 2})
+    monkeypatch.undo()
+    assert distamp.load_checkpoint(tmp_path / "ckpt", model, opt) == {"step": 1}
+
+
+def test_a_failed_read_raises_checkpoint_error_and_changes_nothing(tmp_path, monkeypatch):
+    """DCP raises its CheckpointException, a BaseException: ``except Exception`` let it through."""
+    from distamp.checkpoint import metadata
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 1)
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt)
+    train(model, opt, sched, 0, 1, 1, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def bad_disk(self, plan, planner):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(metadata.Reader, "read_data", bad_disk)
+    with pytest.raises(CheckpointError, match=r"reading the shards failed: rank 0: OSError"):
+        distamp.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -153,13 +153,20 @@ def save_checkpoint(
         "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank), pg)
-    with files.quiet_single_process(not target.distributed()):
-        dcp.save(
-            state_dict,
-            storage_writer=metadata.Writer(tmp, sync_files=True, single_file_per_rank=True),
-            process_group=pg,
-            no_dist=not target.distributed(),
-        )
+    try:
+        with files.quiet_single_process(not target.distributed()):
+            dcp.save(
+                state_dict,
+                storage_writer=metadata.Writer(tmp, sync_files=True, single_file_per_rank=True),
+                process_group=pg,
+                no_dist=not target.distributed(),
+            )
+    except (Exception, dcp.api.CheckpointException) as exc:  # a BaseException, not an Exception
+        # DCP gathers the ranks' failures: every rank raises here alike.
+        raise CheckpointError(
+            f"save_checkpoint: writing the tensors into {tmp} failed ({_dcp_failures(exc)}); "
+            f"nothing was committed, a previous checkpoint at {directory} is intact"
+        ) from exc
     share = agree(
         "save_checkpoint: hashing", lambda: files.hash_share(tmp, target.rank, target.world), pg
     )
@@ -177,6 +184,19 @@ def save_checkpoint(
 
     agree("save_checkpoint: committing", finish, pg)
     return str(directory)
+
+
+def _dcp_failures(exc: BaseException) -> str:
+    """DCP's CheckpointException as "rank R: Type: message" per failed rank (its own str is
+    every rank's whole traceback)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(exc).__name__}: {exc}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure  # (exc, tb)
+        parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+    return "; ".join(parts)
 
 
 def _prepare(directory: Path, rank: int) -> None:
@@ -412,9 +432,9 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
                 process_group=pg,
                 no_dist=not target.distributed(),
             )
-    except Exception as exc:
+    except (Exception, dcp.api.CheckpointException) as exc:  # see save_checkpoint
         raise CheckpointError(
-            f"load_checkpoint: {directory}: reading the shards failed: {exc}"
+            f"load_checkpoint: {directory}: reading the shards failed: {_dcp_failures(exc)}"
         ) from exc
     install(dest)
     for view in target.views:

@@ -168,6 +168,7 @@ def wrap(
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
     _warn_about_eps(opt_list, props)
+    _warn_about_state_before_wrap(opt_list, props)
     if props.shard_master_weights:
         strided = [
             names[id(p)]
@@ -298,6 +299,28 @@ def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
                 seen.add(id(tensor))
                 out.append(tensor.data)
     return out
+
+
+def _warn_about_state_before_wrap(
+    optimizers: list[torch.optim.Optimizer], props: Properties
+) -> None:
+    """nanoGPT's resume order loads the optimizer's state dict right after building it, before
+    wrap would go: torch's own ``load_state_dict`` drops the ``"distamp"`` entry (the FP32
+    masters, loss scalers, step counters), and the masters are then taken from the weights the
+    model loaded, rounded to the half dtype when saved at O2. Nothing fails; the run resumes
+    less exactly (an audit). State before wrap is otherwise rare (converting a running FP32
+    job), so it is named."""
+    if not props.master_weights:
+        return
+    for i, opt in enumerate(optimizers):
+        if opt.state:
+            warnings.warn(
+                f"distamp.wrap: optimizers[{i}] has state already ({len(opt.state)} "
+                "parameters): if it was loaded from a state dict distamp saved, load that after "
+                "wrap instead (or use distamp.load_checkpoint) — torch's own load_state_dict "
+                "drops its FP32 masters, loss scalers and step counters",
+                stacklevel=3,
+            )
 
 
 def _warn_about_eps(optimizers: list[torch.optim.Optimizer], props: Properties) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
+from models import data, mlp
 from torch import nn
 from user_models import GPTConfig, NanoGPT
 
@@ -172,3 +173,26 @@ def _written_in_place(rank, world, shard, hook):
 )
 def test_weights_written_in_place_after_wrap_reach_the_masters(shard, world, hook):
     assert run_ranks(_written_in_place, world, shard, hook) == [True] * world
+
+
+def test_optimizer_state_loaded_before_wrap_is_named():
+    """nanoGPT's resume order: optimizer.load_state_dict(ckpt["optimizer"]) right after the
+    optimizer is built, before wrap. torch drops the saved "distamp" entry (FP32 masters,
+    scalers); nothing failed, the run resumed from half-rounded masters (an audit)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saved = mlp()
+    saved_model, saved_opt = distamp.wrap(
+        saved, torch.optim.AdamW(saved.parameters(), lr=1e-3), opt_level="O2", verbosity=0
+    )
+    x, y = data(1, 4)[0]
+    with distamp.scale_loss(F.mse_loss(saved_model(x), y), saved_opt) as scaled:
+        scaled.backward()
+    saved_opt.step()
+    state = saved_opt.state_dict()
+    assert "distamp" in state
+    opt.load_state_dict(state)  # torch's own: the "distamp" entry is ignored
+    with pytest.warns(
+        UserWarning, match=r"optimizers\[0\] has state already .* load that after wrap"
+    ):
+        distamp.wrap(model, opt, opt_level="O2", verbosity=0)

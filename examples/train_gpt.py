@@ -405,12 +405,14 @@ def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
         return device, None
     backend = "nccl" if use_cuda else "gloo"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart == "0":
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, device_id=device if use_cuda else None)
         return device, backend
     # A restarted attempt (torchrun --max-restarts) reuses the agent's store, where the dead
     # attempt's ranks left their addresses: a fresh key prefix per attempt keeps gloo from
     # connecting to them (seen with torch 2.13: "connectFullMesh failed ... Connection refused").
+    # The count agrees between the ranks of one node only; launch/multinode.sh unshares the
+    # store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and a fresh store needs no prefix.
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
     )

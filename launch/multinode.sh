@@ -109,6 +109,12 @@ if [[ -n "$RDZV_ID" ]]; then
     # letting torch guess from the hostname. Ranks go by the nodes' addresses (--local-addr).
     RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_IP:$MASTER_PORT" --rdzv-id="$RDZV_ID"
           --rdzv-conf="is_host=$IS_MASTER${RDZV_CONF:+,$RDZV_CONF}" --max-restarts="${MAX_RESTARTS:-3}")
+    # After a restart the workers of every node must meet in a store with no keys of the dead
+    # attempt. The agents' shared store keeps them, and the attempt number that could tell them
+    # apart differs between nodes (the node that failed counts a restart, the others restart
+    # for the membership change and do not: pytorch/pytorch#135712), so the workers hung in
+    # init_process_group. Unshared, rank 0 hosts a fresh store for every attempt.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 else
     RDZV=(--node-rank="$NODE_RANK" --master-addr="$MASTER_IP" --master-port="$MASTER_PORT"
           --max-restarts="${MAX_RESTARTS:-0}")

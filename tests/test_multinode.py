@@ -94,11 +94,21 @@ def test_two_hosts_train_and_save_then_one_host_resumes_at_world_size_1(two_host
     assert "(this node)" in out[a] and "(this node)" not in out[b]
     assert "step_000004 (step 4)" in both and "world size 2" in both and "done: 6 steps" in both
 
+    # Elastic, a worker killed: the rank on b dies at step 9; both agents restart their workers,
+    # which meet again (they hung in init_process_group: the nodes' restart counts differ) and
+    # resume from step 8.
+    rdzv = [*master, "--rdzv-id", f"job2-{tmp_path.name}"]
+    restart = [*train, "--steps", "10", "--save-every", "2", "--fail-at-step", "9"]
+    out = on_hosts(tmp_path, "elastic restart", [(a, rdzv), (b, rdzv)], restart)
+    both = out[a] + out[b]
+    assert "injected failure at step 9" in both, both
+    assert "step_000008 (step 8)" in both and "done: 10 steps" in both, both
+
     # One host alone: world size 1 loads the checkpoint two ranks wrote, and finishes.
-    out = on_hosts(tmp_path, "single", [(b, [])], [*train, "--steps", "8"])
-    assert "step_000006 (step 6)" in out[b] and "world size 1" in out[b]
-    assert "done: 8 steps" in out[b], out[b]
-    assert str(distamp.latest_checkpoint(ckpt)).endswith("step_000008")
+    out = on_hosts(tmp_path, "single", [(b, [])], [*train, "--steps", "12"])
+    assert "step_000010 (step 10)" in out[b] and "world size 1" in out[b]
+    assert "done: 12 steps" in out[b], out[b]
+    assert str(distamp.latest_checkpoint(ckpt)).endswith("step_000012")
     recorded = plot.read_run(run_dir)
-    assert recorded.steps == list(range(1, 9))
+    assert recorded.steps == list(range(1, 13))
     assert all(loss == loss and loss < 6.0 for loss in recorded.losses)  # finite, learning

@@ -67,3 +67,26 @@ def test_check_flags_softmax_and_losses_in_pure_half():
     assert names == ["1"]
     assert distamp.doctor.check(model, opt_level="O1", half_dtype=torch.bfloat16) == []
     assert distamp.doctor.check(model, opt_level="O2", device_type="cuda", half_dtype=torch.float16)
+
+
+def test_check_names_a_norm_layer_o2_does_not_recognize():
+    """A hand-written LayerNorm whose class name lacks "norm" ran in half under O2 and check said
+    nothing, even with an eps that FP16 rounds to 0 (an audit)."""
+
+    class ScaleLN(nn.Module):
+        def __init__(self, n, eps=1e-8):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.ones(n)), nn.Parameter(torch.zeros(n))
+            self.eps = eps
+
+        def forward(self, x):
+            mu, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+            return (x - mu) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+    model = nn.Sequential(nn.Linear(8, 8), ScaleLN(8), nn.LayerNorm(8), nn.Linear(8, 2))
+    findings = distamp.doctor.check(model, opt_level="O2", half_dtype=torch.float16)
+    flagged = [f for f in findings if "looks like a normalization layer" in f.why]
+    assert [f.module for f in flagged] == ["1"]  # not the LayerNorm O2 keeps FP32
+    assert "eps rounds to 0" in flagged[0].why and "keep_fp32_modules=['1']" in flagged[0].fix
+    assert not any("looks like" in f.why for f in distamp.doctor.check(model, opt_level="O1"))
+    assert "1" in distamp.doctor.kept_fp32(model, keep_fp32_modules=["1"])

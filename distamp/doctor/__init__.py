@@ -54,6 +54,8 @@ def check(
     * a normalization eps that rounds to 0 in the half dtype (LayerNorm eps=1e-12 in FP16: a norm
       computed there divides by ~0 for a constant input) — reported under O1 and O3, where a norm
       may run in the half dtype; O2 keeps norms FP32 (see :func:`kept_fp32`);
+    * under O2, a module that looks like a norm layer (a float ``eps``, vector parameters) but is
+      not one O2 recognizes, so it would run in the half dtype;
     * Linear/Conv/Embedding widths that are not multiples of 8 when the model is on a CUDA device
       (tensor cores need them; the matmul falls back to slower kernels);
     * modules that run in the half dtype without autocast's FP32 policy under O2/O3 and are known
@@ -79,6 +81,21 @@ def check(
                     ),
                     fix="use eps >= 1e-6 (1e-5 is common) or keep this layer FP32 (O2 keeps norms "
                     "FP32; keep_fp32_modules at any level).",
+                )
+            )
+        own = [p for p in module.parameters(recurse=False)]
+        looks_like_norm = isinstance(eps, float) and bool(own) and all(p.dim() == 1 for p in own)
+        if level == "O2" and looks_like_norm and not is_norm(module):
+            findings.append(
+                Finding(
+                    module=name,
+                    why=(
+                        f"{type(module).__name__} looks like a normalization layer (eps={eps:g}, "
+                        f"vector parameters) but is not one O2 recognizes (a torch norm class, or "
+                        f"a class named *norm*): it runs in {half}, its statistics too"
+                        + (f", and its eps rounds to 0 there." if flushes else ".")
+                    ),
+                    fix=f"keep it FP32: distamp.wrap(..., keep_fp32_modules=[{name!r}]).",
                 )
             )
         if device == "cuda" and isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):

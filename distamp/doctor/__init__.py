@@ -93,7 +93,7 @@ def check(
                         f"{type(module).__name__} looks like a normalization layer (eps={eps:g}, "
                         f"vector parameters) but is not one O2 recognizes (a torch norm class, or "
                         f"a class named *norm*): it runs in {half}, its statistics too"
-                        + (f", and its eps rounds to 0 there." if flushes else ".")
+                        + (", and its eps rounds to 0 there." if flushes else ".")
                     ),
                     fix=f"keep it FP32: distamp.wrap(..., keep_fp32_modules=[{name!r}]).",
                 )

@@ -129,7 +129,10 @@ class AmpModule(nn.Module):
             args = cast_floating(args, policy.input_dtype)
             if kwargs:
                 kwargs = cast_floating(kwargs, policy.input_dtype)
-        if policy.autocast_dtype is not None and not CASTS_OFF.get():
+        # torch.compile does not trace a context variable: a compiled forward keeps its autocast
+        # (amp.disable_casts around a compiled call does not reach inside it).
+        casts_off = not torch.compiler.is_compiling() and CASTS_OFF.get()
+        if policy.autocast_dtype is not None and not casts_off:
             with torch.autocast(policy.device_type, dtype=policy.autocast_dtype):
                 output = super().forward(*args, **kwargs)
         else:

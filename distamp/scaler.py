@@ -260,7 +260,6 @@ class ScalerGroup:
         self.optimizers: list[AmpOptimizerState] = []
         self._open: list[Backward] = []
         """Blocks whose loss scaler has not been updated yet."""
-        self._pending_overflow = [False] * props.num_losses
         self.total_skips = 0
         self.loss_skips = 0
         """Skips whose loss itself was non-finite (logged on their own count)."""
@@ -383,12 +382,14 @@ class ScalerGroup:
         self._open.append(block)
 
     def forget(self, st: AmpOptimizerState) -> None:
-        """``st`` dropped its gradients (zero_grad): its undecided blocks lose it as a user."""
+        """``st`` dropped its gradients (zero_grad) before its step: its blocks lose it as a user,
+        and a block no optimizer stepped on is dropped, decided or not — a batch discarded after
+        ``unscale_`` leaves the loss scale as it was (see [Note: the scale moves at step()])."""
         for block in st.backwards:
-            if block.overflow is None and st in block.users:
+            if st in block.users:
                 block.users.remove(st)
-        self._open = [b for b in self._open if b.users or b.overflow is not None]
-        self._update_finished_losses()
+        self._open = [b for b in self._open if b.users]
+        self.update_finished_losses()
 
     # -- step ------------------------------------------------------------------------------------
 
@@ -422,8 +423,6 @@ class ScalerGroup:
                 st.overflow = result[0]
             for block, overflow in zip(undecided, result, strict=False):
                 block.overflow = overflow
-                self._pending_overflow[block.loss_id] |= overflow
-            self._update_finished_losses()
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
@@ -465,13 +464,19 @@ class ScalerGroup:
             flag = torch.maximum(flag, now)
         return flag
 
-    def _update_finished_losses(self) -> None:
-        """Update each loss's scaler once all of its open blocks are decided."""
+    def update_finished_losses(self) -> None:
+        """Update each loss's scaler once all of its open blocks are decided.
+
+        [Note: the scale moves at step()] Called by ``step()`` (and when gradients are dropped),
+        not where the decision is made: ``unscale_`` (or ``clip_grad_norm_``, apex's
+        ``master_params``) decides early, and a script may still discard that batch (a spiked
+        norm, a NaN loss) by clearing the gradients; torch.amp's scaler moves only at
+        ``update()``, and so the scale here moves only for blocks an optimizer stepped or
+        skipped on (DESIGN: the skip decision and the scale update happen at step())."""
         for loss_id, scaler in enumerate(self.scalers):
             mine = [b for b in self._open if b.loss_id == loss_id]
             if mine and all(b.overflow is not None for b in mine):
-                scaler.update(self._pending_overflow[loss_id])
-                self._pending_overflow[loss_id] = False
+                scaler.update(any(bool(b.overflow) for b in mine))
                 self._open = [b for b in self._open if b.loss_id != loss_id]
 
     def after_skip(self, st: AmpOptimizerState) -> None:

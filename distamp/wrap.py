@@ -313,7 +313,7 @@ def _warn_about_state_before_wrap(
     if not props.master_weights:
         return
     for i, opt in enumerate(optimizers):
-        if opt.state:
+        if any(_stepped_state(state) for state in opt.state.values()):
             warnings.warn(
                 f"distamp.wrap: optimizers[{i}] has state already ({len(opt.state)} "
                 "parameters): if it was loaded from a state dict distamp saved, load that after "
@@ -321,6 +321,14 @@ def _warn_about_state_before_wrap(
                 "drops its FP32 masters, loss scalers and step counters",
                 stacklevel=3,
             )
+
+
+def _stepped_state(state: Any) -> bool:
+    """State a step or a load made, not a constructor (Adagrad's sums start with step 0)."""
+    if not isinstance(state, dict) or not state:
+        return False
+    step = state.get("step")
+    return step is None or float(step) > 0
 
 
 def _warn_about_eps(optimizers: list[torch.optim.Optimizer], props: Properties) -> None:

@@ -142,6 +142,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             _warn_if_scaled_grads_touched(st)
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
+        st.group.update_finished_losses()  # see [Note: the scale moves at step()]
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
         assert st.overflow is not None

@@ -36,6 +36,7 @@ from .config import (
 )
 from .forensics import NonFiniteReport
 from .masters.base import MasterWeights
+from .masters.layout import check_sliceable
 from .masters.optimizer import (
     AmpOptimizer,
     AmpOptimizerState,
@@ -153,6 +154,8 @@ def wrap(
         wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
         if props.shard_master_weights:
             props = _shard_or_replicate(props, given, explicit=shard_master_weights is not None)
+        if props.shard_master_weights:
+            check_sliceable(opt_list)
         fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
         plan = casting.plan_precision(model_list, props, fp32_modules)
         facts = fingerprint(props, model_list, opt_list)

@@ -102,3 +102,23 @@ def test_an_optimizer_listing_the_parameters_in_another_order_is_named():
         assert "optimizers[0] param_groups[0] parameter order" in message
         assert "'0:3.bias'" in message  # rank 1's list starts with the last parameter
     assert run_ranks(_wrap_in_order, 2, {0, 1}, timeout=60) == [None, None]
+
+
+def _odd_state_on_rank_1(rank, world):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if rank == 1:  # a resume that loaded another rank's shard of the state, say
+        opt.state[model[0].weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}
+    try:
+        distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_optimizer_state_sharded_masters_cannot_cut_on_one_rank_raises_on_every_rank():
+    """Rank 1 raised while rank 0's wrap returned and went on to its first collective (an audit
+    of README's "raises on every rank")."""
+    own, other = run_ranks(_odd_state_on_rank_1, 2, timeout=60)[::-1]
+    assert own is not None and "optimizer state 'exp_avg'" in own and "shape (3,)" in own
+    assert other is not None and "rank 1" in other

@@ -154,6 +154,30 @@ class GroupLayout:
         return out
 
 
+def check_sliceable(optimizers: list[Any]) -> None:
+    """Refuse optimizer state :func:`slice_state` cannot cut, before anything is changed: wrap
+    runs this among its checks on every rank, so a rank whose state alone is odd (a resume that
+    loaded another rank's state) makes every rank raise, not that rank alone (an audit)."""
+    for opt in optimizers:
+        for g, group in enumerate(opt.param_groups):
+            for param in group["params"]:
+                for key, value in opt.state.get(param, {}).items():
+                    _check_state_entry(key, value, param, g)
+
+
+def _check_state_entry(key: str, value: Any, param: nn.Parameter, group: int) -> None:
+    if not isinstance(value, torch.Tensor) or value.numel() == 1:
+        return
+    if value.shape == param.shape and value.dim() > 0:
+        return
+    raise ValueError(
+        f"shard_master_weights: optimizer state {key!r} of a parameter of param group "
+        f"{group} has shape {tuple(value.shape)}, expected the parameter's shape "
+        f"{tuple(param.shape)} or a scalar: sharded masters need an element-wise "
+        "optimizer; wrap with shard_master_weights=False"
+    )
+
+
 def slice_state(
     state: dict[str, Any], param: nn.Parameter, start: int, count: int, group: int
 ) -> dict[str, Any]:
@@ -169,12 +193,7 @@ def slice_state(
         elif isinstance(value, torch.Tensor) and value.numel() == 1:
             out[key] = value.detach().clone()
         elif isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"shard_master_weights: optimizer state {key!r} of a parameter of param group "
-                f"{group} has shape {tuple(value.shape)}, expected the parameter's shape "
-                f"{tuple(param.shape)} or a scalar: sharded masters need an element-wise "
-                "optimizer; wrap with shard_master_weights=False"
-            )
+            _check_state_entry(key, value, param, group)
         else:
             out[key] = value
     return out

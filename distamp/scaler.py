@@ -206,6 +206,11 @@ def split_loss_scale(
     return plain, loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale
 
 
+FLAG_SLOTS = 8
+"""Slots for the blocks' flags in the skip decision's all-reduce (see [Note: a fixed-size
+decision vector])."""
+
+
 def all_reduce_max_(flags: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Collective over ``group`` (when distributed): element-wise MAX of ``flags`` across ranks."""
     return all_reduce_(flags, dist.ReduceOp.MAX, group)
@@ -367,6 +372,7 @@ class ScalerGroup:
             st.grad_scale = scale
             st.state = OptState.SCALED
             st.backwards.append(block)
+            st.had_grads = st.had_grads or any(p.grad is not None for p in st.masters.model_params)
             if attribute:
                 now = st.masters.check()
                 seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)
@@ -406,19 +412,33 @@ class ScalerGroup:
         st.decided_here = bool(undecided) or not st.backwards
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
+            # [Note: a fixed-size decision vector] One slot per block, folded into FLAG_SLOTS
+            # (blocks i and i + FLAG_SLOTS share a slot: a skip then covers both), then the
+            # number of blocks as +n and -n. The length never depends on this rank's blocks:
+            # ranks that ran a different number of scale_loss blocks since the last step (one
+            # rank discarded a micro-batch) used to send vectors of different lengths, and gloo
+            # hung or aborted; now every rank reads both counts and raises together.
+            device = own.device
+            slots = torch.zeros(FLAG_SLOTS, device=device)
+            for i, flag in enumerate(flags):
+                slots[i % FLAG_SLOTS] = torch.maximum(slots[i % FLAG_SLOTS], flag.to(device)[0])
+            count = float(len(undecided))
+            parts = [slots, torch.tensor([count, -count], device=device)]
             replicas = None
             if self.process_group is not None:
                 replicas = st.masters.replica_fingerprint()
-            parts = flags if replicas is None else [*flags, replicas]
-            vector = torch.cat([f.to(own.device) for f in parts])
+                if replicas is not None:
+                    parts.append(replicas.to(device))
+            vector = torch.cat(parts)
             if self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
                 self.found_inf_collectives += 1
             values = vector.tolist()
+            if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
+                self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
             if replicas is not None:
                 self._refuse_parted_replicas(st, values[-2], values[-1])
-                values = values[:-2]
-            result = [v > 0 for v in values]
+            result = [values[i % FLAG_SLOTS] > 0 for i in range(max(1, len(undecided)))]
             if not st.backwards:
                 st.overflow = result[0]
             for block, overflow in zip(undecided, result, strict=False):
@@ -426,6 +446,19 @@ class ScalerGroup:
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
+
+    def _refuse_different_block_counts(
+        self, st: AmpOptimizerState, mine: float, seen: list[float]
+    ) -> None:
+        """See [Note: a fixed-size decision vector]: every rank raises, naming the counts."""
+        raise RuntimeError(
+            f"optimizer.step(): expected every rank to have run the same number of scale_loss "
+            f"blocks for this optimizer since its last step, found between {-seen[1]:g} and "
+            f"{seen[0]:g} (this rank, {self.rank}: {mine:g}). A rank that discards a batch "
+            "(clears the gradients after its backward) must have every rank discard it, as the "
+            "skip decision is shared: decide the discard from a value all ranks agree on (an "
+            "all-reduced loss, distamp.clip_grad_norm_'s global norm)"
+        )
 
     def _refuse_parted_replicas(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:
         """See [Note: clipping what param_groups hold] in masters/sharded.py: every rank reads

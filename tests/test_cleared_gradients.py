@@ -114,3 +114,57 @@ def test_discard_on_every_rank_with_sharded_masters_and_the_reduce_scatter_hook(
             assert log == ref_log and not any(skipped for skipped, _ in log)
             assert torch.equal(weights, ref_weights)
             assert sharded_bytes < sum(p.numel() * 4 for p in mlp().parameters())
+
+
+def test_an_optimizer_whose_parameters_got_no_gradient_this_iteration_steps_as_a_no_op():
+    """apex's multi-optimizer pattern with an auxiliary head used every other iteration: its
+    optimizer has no gradient then, which is not a clearing (a regression found by an audit)."""
+    body, head = mlp(), torch.nn.Linear(4, 4)
+    o_body = torch.optim.SGD(body.parameters(), lr=0.1)
+    o_head = torch.optim.SGD(head.parameters(), lr=0.1)
+    [body, head], [o_body, o_head] = distamp.wrap(
+        [body, head], [o_body, o_head], opt_level="O2", verbosity=0
+    )
+    before = [p.detach().clone() for p in head.parameters()]
+    for i, (x, y) in enumerate(_batches(4, 4)):
+        out = body(x).float()
+        if i % 2:
+            out = head(out).float()
+        with distamp.scale_loss(F.mse_loss(out, y), [o_body, o_head]) as scaled:
+            scaled.backward()
+        if i == 0:
+            assert float(distamp.clip_grad_norm_(o_head, 1.0)) == 0.0
+        o_body.step()
+        o_head.step()
+        o_body.zero_grad()
+        o_head.zero_grad()
+    assert not all(torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
+    assert distamp.stats(o_head).skipped_steps == 0
+
+
+def _discard_on_rank_0_only(rank, world):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    (x, y), (x2, y2) = _batches(2, 4)
+    with ddp.no_sync():
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+    if rank == 0:
+        model.zero_grad()  # this rank alone throws the micro-batch away
+    with distamp.scale_loss(F.mse_loss(ddp(x2).float(), y2), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_discard_on_one_rank_only_raises_on_every_rank_instead_of_hanging():
+    """The skip decision's all-reduce carried one flag per block: ranks with different block
+    counts sent vectors of different lengths and gloo hung or aborted (an audit)."""
+    for message in run_ranks(_discard_on_rank_0_only, 2, timeout=90):
+        assert message is not None
+        assert "same number of scale_loss blocks" in message and "between 1 and 2" in message

@@ -73,6 +73,9 @@ class AmpOptimizerState:
         """A backward accumulated into a model gradient since the last step() (set by
         :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
         self.watches_backward = False
+        self.had_grads = False
+        """Some model gradient existed when the last scale_loss block ended (see
+        :func:`drop_cleared_gradients`)."""
 
     def record_shard_grads(self) -> None:
         """What the shard gradients are right after unscale_ (or distamp's own clipping, which
@@ -89,6 +92,7 @@ class AmpOptimizerState:
         self.seen_nonfinite = None
         self.overflow = None
         self.unscaled_shards = None
+        self.had_grads = False
         self.masters.release_master_grads()
 
 
@@ -458,8 +462,8 @@ def drop_cleared_gradients(st: AmpOptimizerState) -> None:
     ``unscale_`` refused to run. Called where the next block, step or unscale begins: with every
     model gradient gone, nothing is pending, so the blocks are dropped as ``zero_grad`` drops
     them. O(1) while any gradient is there (the scan stops at the first)."""
-    if st.state is OptState.READY:
-        return
+    if st.state is OptState.READY or not st.had_grads:
+        return  # (an optimizer whose parameters got no gradient this iteration: nothing cleared)
     if any(p.grad is not None for p in st.masters.model_params):
         return
     st.group.forget(st)

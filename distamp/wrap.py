@@ -437,13 +437,15 @@ class _HalfAsFP32StateDict:
     buffer replaces it by a new tensor (BatchNorm's running stats under O3), so ids would miss it.
     """
 
-    def __init__(self, names: dict[int, frozenset[str]]) -> None:
+    def __init__(self, names: frozenset[str]) -> None:
         self.names = names
+        """This module's cast tensors: one hook per module, so a deep or pickled copy of the
+        model (an EMA) reports its own cast tensors FP32 too (keyed by id(module), it did not)."""
 
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        for name in self.names.get(id(module), ()):
+        for name in self.names:
             live = module._parameters.get(name, module._buffers.get(name))
             value = state_dict.get(prefix + name)
             if (
@@ -489,11 +491,10 @@ def _register_state_hooks(
     master_ids: frozenset[int],
 ) -> None:
     load = _LoadIntoMasters(scalers, master_ids) if master_ids else None
-    report = _HalfAsFP32StateDict(cast_names) if plan.half_dtype is not None else None
     for model in models:
         for module in model.modules():
-            if report is not None and id(module) in cast_names:
-                module.register_state_dict_post_hook(report)
+            if plan.half_dtype is not None and id(module) in cast_names:
+                module.register_state_dict_post_hook(_HalfAsFP32StateDict(cast_names[id(module)]))
             own_params = [t for t in module._parameters.values() if t is not None]
             if load is not None and any(id(t) in master_ids for t in own_params):
                 module.register_load_state_dict_pre_hook(load)

@@ -173,6 +173,9 @@ def test_a_wrapped_model_pickles_and_its_copy_keeps_the_forward(level):
             assert (
                 copied.ln.weight.dtype == torch.float32 and copied.bn.weight.dtype == torch.float32
             )
+            # an EMA copy's checkpoint is FP32 like the original's (apex's O2 state dict)
+            floats = {v.dtype for v in copied.state_dict().values() if v.is_floating_point()}
+            assert floats == {torch.float32}
             before = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
             copied.load_state_dict({k: v * 0 for k, v in copied.state_dict().items()})
             after = [m.detach() for g in opt.param_groups for m in g["params"]]

@@ -8,13 +8,13 @@ optimizer exactly as they were; ``fingerprint`` is what every rank compares befo
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import casting
+from .collectives import short_order
 from .config import Properties
 from .masters.optimizer import AmpOptimizer, inner_optimizer
 
@@ -246,7 +246,7 @@ def fingerprint(
         # same parameters in another order would own other elements, and the ranks diverge.
         for g, group in enumerate(opt.param_groups):
             order = [names.get(id(p), "(not in the models)") for p in group["params"]]
-            facts.append((f"optimizers[{i}] param_groups[{g}] parameter order", _short(order)))
+            facts.append((f"optimizers[{i}] param_groups[{g}] parameter order", short_order(order)))
     return facts
 
 
@@ -258,12 +258,3 @@ def module_names(models: list[nn.Module], modules: list[nn.Module]) -> list[str]
         for name, m in model.named_modules()
         if id(m) in wanted
     ]
-
-
-def _short(order: list[str]) -> str:
-    """A parameter order as a fact: whole when short; else its head and a digest, so that a
-    1000-parameter mismatch reads as two lines, not 30,000 characters (an audit)."""
-    if len(order) <= 8:
-        return str(order)
-    digest = hashlib.sha1("\n".join(order).encode()).hexdigest()[:10]
-    return f"[{', '.join(map(repr, order[:4]))}, ...] ({len(order)} parameters, digest {digest})"

@@ -155,3 +155,12 @@ def broadcast_from_rank0_(tensors: Sequence[torch.Tensor], group: dist.ProcessGr
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def short_order(order: list[str]) -> str:
+    """A parameter order as a fact: whole when short; else its head and a digest, so that a
+    1000-parameter mismatch reads as two lines, not 30,000 characters (an audit)."""
+    if len(order) <= 8:
+        return str(order)
+    digest = hashlib.sha1("\n".join(order).encode()).hexdigest()[:10]
+    return f"[{', '.join(map(repr, order[:4]))}, ...] ({len(order)} parameters, digest {digest})"

@@ -122,3 +122,24 @@ def test_optimizer_state_sharded_masters_cannot_cut_on_one_rank_raises_on_every_
     own, other = run_ranks(_odd_state_on_rank_1, 2, timeout=60)[::-1]
     assert own is not None and "optimizer state 'exp_avg'" in own and "shape (3,)" in own
     assert other is not None and "rank 1" in other
+
+
+def _add_group_in_order(rank, world, reverse_on):
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params[:2], lr=0.1)
+    distamp.wrap(model, opt, opt_level="O2", verbosity=0)  # sharded at 2 ranks
+    later = params[2:]
+    try:
+        opt.add_param_group({"params": later[::-1] if rank in reverse_on else later})
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_add_param_group_in_another_order_on_one_rank_is_named():
+    """Progressive unfreezing with list(set(...)): the new group laid out in another order on
+    one rank, and the ranks stepped apart with no error (an audit)."""
+    for message in run_ranks(_add_group_in_order, 2, {1}, timeout=60):
+        assert message is not None and "new param group's parameter order" in message
+    assert run_ranks(_add_group_in_order, 2, set(), timeout=60) == [None, None]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES
 from ..forensics import NonFiniteReport
 from ..optstate import OptState
@@ -202,6 +203,16 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"{st.state.value}); expected it between optimizer.step() and the next backward"
             )
         st.group.check_new_params(params, st)
+        if st.masters.sharded:
+            # The new group is laid out flat in this order: ranks listing the same parameters in
+            # another order (a list(set(...)) while unfreezing) would own other elements and
+            # step apart silently (an audit), as wrap's own order check says.
+            order = [st.group.param_names.get(id(p), "?") for p in params]
+            check_same_on_all_ranks(
+                "optimizer.add_param_group",
+                [("new param group's parameter order", short_order(order))],
+                st.group.process_group,
+            )
         with_masters = st.group.props.master_weights
         rounded = [st.group.param_names[id(p)] for p in params if p.dtype in HALF_DTYPES]
         if rounded and with_masters:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,9 @@ class FSDPParams(ModelGrads):
         self.model_params = params
         self.process_group = process_group
         self.props = props
+        self.model: weakref.ref[nn.Module] | None = None
+        """The sharded model (weak), for the gradients FSDP holds unreduced: see
+        :meth:`rescale_grads_`."""
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -91,16 +95,42 @@ class FSDPParams(ModelGrads):
         return check_and_unscale_(self._local_grads(), inv_scale, self._device())
 
     def check(self) -> torch.Tensor:
-        return check_and_unscale_(self._local_grads(), 1.0, self._device())
+        """A 0/1 flag of non-finite gradients, reduced or still held by FSDP (several losses
+        attribute each block's new non-finite values: see ``finish_backward``)."""
+        grads = self._local_grads() + self._unreduced_grads()
+        return check_and_unscale_(grads, 1.0, self._device())
 
     def step_grads(self) -> list[torch.Tensor]:
         return self._local_grads()
 
     def rescale_grads_(self, factor: float) -> None:
-        grads = self._local_grads()
+        """Pending gradients down to a new block's smaller scale (several losses): the sharded
+        ``.grad`` and, under ``set_requires_gradient_sync(False)``, the unsharded gradients FSDP
+        accumulates in its own buffers until it reduces them — missed, the reduced sum mixed two
+        scales (an audit: weights off by 1e10)."""
+        grads = self._local_grads() + self._unreduced_grads()
         if grads and factor != 1.0:
             with torch.no_grad():
                 torch._foreach_mul_(grads, factor)
+
+    def _unreduced_grads(self) -> list[torch.Tensor]:
+        """The gradients FSDP2 holds unsharded and unreduced (accumulation without sync): its
+        FSDPParam objects' ``unsharded_accumulated_grad`` (reduce dtype) or their unsharded
+        parameters' ``.grad``. FSDP's internals, read with getattr: none found, none rescaled."""
+        model = self.model() if self.model is not None else None
+        out: list[torch.Tensor] = []
+        for module in model.modules() if model is not None else ():
+            state_of = getattr(module, "_get_fsdp_state", None)
+            if state_of is None:
+                continue
+            for param_group in getattr(state_of(), "_fsdp_param_groups", None) or ():
+                for fsdp_param in getattr(param_group, "fsdp_params", ()):
+                    held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    for grad in (held, getattr(unsharded, "grad", None)):
+                        if isinstance(grad, torch.Tensor):
+                            out.append(_local(grad))
+        return out
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Collective: the norm over every shard of every gradient, each shard counted once (FP32
@@ -345,6 +375,7 @@ def fully_shard(
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     masters = FSDPParams(params, group, props)
+    masters.model = weakref.ref(model)
     scalers = ScalerGroup(props, group, {id(p): n for n, p in new_params.items()}, template)
     from .wrap import _make_amp_optimizer
 

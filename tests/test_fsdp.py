@@ -328,3 +328,43 @@ def test_fsdp_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
     # O1: FSDP's FP32 shards are the weights themselves (no masters), and the line says so too.
     out = torchrun(2, "--steps", "1", "--opt-level", "O1")
     assert 0.98 < fp32_share(out, 2) < 1.05
+
+
+def _two_losses_accumulated(rank, world, no_sync, nan_first):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+    state = opt.state_dict()
+    state["distamp"]["scalers"][1]["scale"] = 2.0**8  # loss 1 at a smaller scale than loss 0
+    opt.load_state_dict(state)
+    g = torch.Generator().manual_seed(rank)
+    log = []
+    for step in range(3):
+        for micro in range(2):  # micro-batch 0: loss 0, 1: loss 1
+            x = torch.randn(4, 8, generator=g)
+            if nan_first and step == 1 and micro == 0:
+                x = x * float("nan")
+            model.set_requires_gradient_sync(not (no_sync and micro == 0))
+            with distamp.scale_loss(model(x).float().pow(2).mean(), opt, loss_id=micro) as s:
+                s.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = distamp.stats(opt)
+        log.append((stats.last_step_skipped, stats.loss_scales))
+    return log, [p.full_tensor().float() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("nan_first", [False, True])
+def test_two_losses_at_two_scales_accumulated_without_sync_equal_syncing_each(nan_first):
+    """FSDP accumulates unreduced gradients in its own buffers under
+    set_requires_gradient_sync(False): a later loss at a smaller scale must rescale those too
+    (missed: weights off by 1e10), and a NaN there belongs to its own loss's block."""
+    synced = run_ranks(_two_losses_accumulated, 2, False, nan_first)
+    unsynced = run_ranks(_two_losses_accumulated, 2, True, nan_first)
+    for (log, weights), (ref_log, ref_weights) in zip(unsynced, synced, strict=True):
+        assert log == ref_log
+        for w, r in zip(weights, ref_weights, strict=True):
+            torch.testing.assert_close(w, r, atol=2e-3, rtol=2e-3)  # bf16 reduced at other times
+    if nan_first:
+        assert synced[0][0][1] == (True, (32768.0, 256.0))  # only loss 0 backed off

@@ -79,7 +79,11 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
     for i, model in enumerate(models):
         where = "model" if len(models) == 1 else f"models[{i}]"
         if casting.is_wrapped(model):
-            raise ValueError(f"{where} was already wrapped by distamp.wrap; wrap each model once")
+            raise ValueError(
+                f"{where} was already wrapped by distamp.wrap (or is a copy of a wrapped model: "
+                "deepcopy and pickle keep the wrapping); wrap each model once — to train a copy "
+                "with its own optimizer, copy the FP32 model before wrap and wrap both"
+            )
         wrapper = casting.data_parallel_wrapper_name(model)
         if wrapper is not None and ("FSDP" in wrapper or wrapper.startswith("FullySharded")):
             raise ValueError(

@@ -93,6 +93,9 @@ def test_wrapping_twice_is_refused():
     with pytest.raises(ValueError, match="optimizer was already wrapped"):
         distamp.wrap(other, opt, opt_level="O2")
     assert_unchanged(before, model, opt)
+    copy_ = copy.deepcopy(model)  # an EMA built after wrap: the message says what happened
+    with pytest.raises(ValueError, match="or is a copy of a wrapped model.*copy the FP32 model"):
+        distamp.wrap(copy_, torch.optim.SGD(copy_.parameters(), lr=0.1), opt_level="O2")
     with pytest.raises(ValueError, match="more than once"):
         distamp.wrap([other, other], opt_level="O2")
 

@@ -159,8 +159,13 @@ def wrap(
         fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
         plan = casting.plan_precision(model_list, props, fp32_modules)
         facts = fingerprint(props, model_list, opt_list)
-        if template is not None:
-            facts.append(("loss scaler", str(sorted(template.settings.items()))))
+        # Always present, so the facts line up rank by rank (a message pairs them by position).
+        facts.append(
+            (
+                "loss_scale=LossScaler(...)",
+                str(sorted(template.settings.items())) if template is not None else "none",
+            )
+        )
         facts.append(("keep_fp32_modules", str(sorted(module_names(model_list, fp32_modules[0])))))
         facts.append(
             ("FP32 modules", str(sorted(module_names(model_list, list(plan.fp32_modules)))))

@@ -6,9 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-from .collectives import all_reduce_
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,68 +45,78 @@ class NonFiniteGradientError(RuntimeError):
     """Raised instead of skipping forever: too many consecutive skips, or a skip at the floor."""
 
 
-_NOT_FOUND = 2**62
+EVIDENCE_SLOTS = 3
+"""Slots of the skip decision's vector that carry the evidence (see :func:`local_evidence`)."""
 
 
-def locate_nonfinite(
+def local_evidence(
+    local_flag: torch.Tensor,
+    loss_kinds: Sequence[torch.Tensor | None],
     named_grads: Sequence[tuple[str, torch.Tensor | None]],
-    group: dist.ProcessGroup | None,
-) -> NonFiniteReport | None:
-    """Collective over ``group``: find the first non-finite gradient of ``named_grads`` on any rank.
+    rank: int,
+    world: int,
+) -> torch.Tensor:
+    """This rank's evidence for the skip decision's MAX all-reduce: float64 [loss, grad, index].
 
-    Called only on skipped steps (the decision is already identical on every rank, so every rank
-    gets here together); costs one pass over the gradients and one small all-reduce.
+    [Note: the evidence rides with the decision] DESIGN asks for one small collective per step
+    for the skip decision, skipped steps included; naming the first non-finite gradient used to
+    cost one or two more all-reduces on every skipped step. Each value here is built so that the
+    MAX over the ranks is the answer: ``loss`` is the first non-finite loss (lowest rank, then
+    its first block: ``loss_kinds``, 0 finite / 1 inf / 2 NaN per ``scale_loss`` block), ``grad``
+    the first non-finite gradient (lowest position in ``named_grads``, then lowest rank), each
+    with its kind in the last base-3 digit; ``index`` is the highest first position over the
+    ranks, which equals the lowest one exactly when every rank held it. A rank whose own flag is
+    clean reads nothing (one host read of ``local_flag``); float64 keeps the codes exact.
     """
-    index, kind = _NOT_FOUND, 0
+    count = len(named_grads)
+    evidence = torch.tensor([0.0, 0.0, float(count)], dtype=torch.float64)
+    if not float(local_flag.max()) > 0:
+        return evidence
+    blocks = max(1, len(loss_kinds))
+    for j, kind in enumerate(loss_kinds):
+        code = int(kind) if kind is not None else 0
+        if code:
+            evidence[0] = float(((world - 1 - rank) * blocks + (blocks - 1 - j)) * 3 + code)
+            break
     for i, (_, grad) in enumerate(named_grads):
         if grad is None:
             continue
-        finite = torch.isfinite(grad)
-        if not bool(finite.all()):
-            index, kind = i, 2 if bool(torch.isnan(grad).any()) else 1
+        values = grad._values() if grad.is_sparse else grad
+        if not bool(torch.isfinite(values).all()):
+            code = 2 if bool(torch.isnan(values).any()) else 1
+            evidence[1] = float(((count - i) * world + (world - 1 - rank)) * 3 + code)
+            evidence[2] = float(i)
             break
-    rank, world = 0, 1
-    if group is not None:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-    table = torch.zeros(world, 2, dtype=torch.int64)
-    table[rank, 0], table[rank, 1] = index, kind
-    all_reduce_(table, dist.ReduceOp.SUM, group)
-    best = int(table[:, 0].min())
-    if best == _NOT_FOUND:
-        return None
-    holders = table[:, 0] == best
-    first_rank = int(holders.nonzero()[0, 0])
-    return NonFiniteReport(
-        param=named_grads[best][0],
-        rank=first_rank,
-        kind="nan" if int(table[first_rank, 1]) == 2 else "inf",
-        on_every_rank=world > 1 and bool(holders.all()),
-    )
+    return evidence
 
 
-def locate_nonfinite_loss(
-    flags: Sequence[tuple[int, torch.Tensor]], group: dist.ProcessGroup | None
+def read_evidence(
+    evidence: Sequence[float],
+    loss_ids: Sequence[int],
+    names: Sequence[str],
+    world: int,
 ) -> NonFiniteReport | None:
-    """Collective over ``group``: was a loss itself non-finite on some rank (lowest rank wins)?
-
-    ``flags``: (loss_id, 0-d tensor 0 finite / 1 inf / 2 NaN) for the overflowed blocks of this
-    step, the same list on every rank. Called only on skipped steps.
-    """
-    rank, world = 0, 1
-    if group is not None:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-    table = torch.zeros(world, max(1, len(flags)), dtype=torch.int64)
-    for j, (_, flag) in enumerate(flags):
-        table[rank, j] = int(flag.item())
-    all_reduce_(table, dist.ReduceOp.SUM, group)
-    for r in range(world):
-        for j, (loss_id, _) in enumerate(flags):
-            kind = int(table[r, j])
-            if kind:
-                return NonFiniteReport(
-                    param=f"loss {loss_id}",
-                    rank=r,
-                    kind="nan" if kind == 2 else "inf",
-                    loss_id=loss_id,
-                )
+    """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing)."""
+    loss_code, grad_code, highest = (int(v) for v in evidence)
+    if loss_code:
+        blocks = max(1, len(loss_ids))
+        where, kind = divmod(loss_code, 3)
+        rank_part, block_part = divmod(where, blocks)
+        loss_id = loss_ids[blocks - 1 - block_part]
+        return NonFiniteReport(
+            param=f"loss {loss_id}",
+            rank=world - 1 - rank_part,
+            kind="nan" if kind == 2 else "inf",
+            loss_id=loss_id,
+        )
+    if grad_code:
+        where, kind = divmod(grad_code, 3)
+        index_part, rank_part = divmod(where, world)
+        index = len(names) - index_part
+        return NonFiniteReport(
+            param=names[index],
+            rank=world - 1 - rank_part,
+            kind="nan" if kind == 2 else "inf",
+            on_every_rank=world > 1 and highest == index,
+        )
     return None

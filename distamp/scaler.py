@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_
 from .forensics import (
+    EVIDENCE_SLOTS,
     NonFiniteGradientError,
     NonFiniteReport,
-    locate_nonfinite,
-    locate_nonfinite_loss,
+    local_evidence,
+    read_evidence,
 )
 from .masters.base import grad_version
 from .optstate import OptState
@@ -251,6 +252,7 @@ class ScalerGroup:
         self.props = props
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.param_names = param_names
         self.scalers = [
             template.fresh()
@@ -419,16 +421,23 @@ class ScalerGroup:
             # rank discarded a micro-batch) used to send vectors of different lengths, and gloo
             # hung or aborted; now every rank reads both counts and raises together.
             device = own.device
-            slots = torch.zeros(FLAG_SLOTS, device=device)
+            slots = torch.zeros(FLAG_SLOTS, dtype=torch.float64, device=device)
             for i, flag in enumerate(flags):
                 slots[i % FLAG_SLOTS] = torch.maximum(slots[i % FLAG_SLOTS], flag.to(device)[0])
             count = float(len(undecided))
-            parts = [slots, torch.tensor([count, -count], device=device)]
+            parts = [slots, torch.tensor([count, -count], dtype=torch.float64, device=device)]
+            # See [Note: the evidence rides with the decision] in forensics.py.
+            involved = [st]
+            for block in undecided:
+                involved += [u for u in block.users if u not in involved]
+            named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
+            loss_kinds = [b.loss_kind for b in undecided]
+            parts.append(local_evidence(slots, loss_kinds, named, self.rank, self.world).to(device))
             replicas = None
             if self.process_group is not None:
                 replicas = st.masters.replica_fingerprint()
                 if replicas is not None:
-                    parts.append(replicas.to(device))
+                    parts.append(replicas.to(device, torch.float64))
             vector = torch.cat(parts)
             if self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
@@ -438,6 +447,10 @@ class ScalerGroup:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
             if replicas is not None:
                 self._refuse_parted_replicas(st, values[-2], values[-1])
+            evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
+            st.decision_report = read_evidence(
+                evidence, [b.loss_id for b in undecided], [n for n, _ in named], self.world
+            )
             result = [values[i % FLAG_SLOTS] > 0 for i in range(max(1, len(undecided)))]
             if not st.backwards:
                 st.overflow = result[0]
@@ -513,25 +526,12 @@ class ScalerGroup:
                 self._open = [b for b in self._open if b.loss_id != loss_id]
 
     def after_skip(self, st: AmpOptimizerState) -> None:
-        """Collective: name the first non-finite gradient, log it, and stop a hopeless loop."""
+        """After a skip this optimizer decided: log what the decision named, stop a hopeless loop."""
         if not st.decided_here:
             return
         self.total_skips += 1
         overflowed = [b for b in st.backwards if b.overflow]
-        involved: list[AmpOptimizerState] = [st]
-        for block in overflowed:
-            involved += [u for u in block.users if u not in involved]
-        losses = [
-            (
-                b.loss_id,
-                b.loss_kind if b.loss_kind is not None else torch.zeros((), dtype=torch.int64),
-            )
-            for b in overflowed
-        ]
-        report = locate_nonfinite_loss(losses, self.process_group) if losses else None
-        if report is None:
-            named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
-            report = locate_nonfinite(named, self.process_group)
+        report = st.decision_report
         self.last_nonfinite = report
         st.last_nonfinite = report
         loss_ids = sorted({b.loss_id for b in overflowed})

@@ -101,6 +101,65 @@ def test_the_rank_a_nan_came_from_is_named_or_said_to_be_unknown():
         assert "on every rank" in str(report) and "is not known" in str(report), str(report)
 
 
+def collectives_per_step(rank, world, reduce_scatter):
+    """All-reduces issued inside optimizer.step() on a clean, a grad-overflow and a NaN-loss
+    step, with what the skipped steps named; faults on rank 1 only (rank 0 holds no evidence)."""
+    import torch.distributed as dist
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    if reduce_scatter:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    last = list(model.parameters())[-1]
+    fault = {"grad": False}
+    last.register_hook(lambda g: g * float("inf") if fault["grad"] else g)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    out = []
+    for step, (x, y) in enumerate(data(3, 4 * world)):
+        fault["grad"] = step == 1 and rank == 1
+        loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4])
+        if step == 2 and rank == 1:
+            loss = loss * float("nan")
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        calls.clear()
+        dist.all_reduce = counting
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce = real
+        opt.zero_grad()
+        stats = distamp.stats(opt)
+        out.append((len(calls), stats.last_step_skipped, stats.last_nonfinite))
+    return out
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True])
+def test_one_small_collective_per_step_also_on_skipped_steps(reduce_scatter):
+    """DESIGN 1: exactly one small collective per optimizer step for the skip decision; the
+    report of a skipped step (which loss or parameter, rank, inf or NaN) rides in it instead of
+    costing one or two more all-reduces."""
+    names = [n for n, _ in mlp().named_parameters()]
+    for clean, overflow, nan_loss in run_ranks(collectives_per_step, 2, reduce_scatter):
+        assert clean == (1, False, None)
+        assert overflow[:2] == (1, True) and nan_loss[:2] == (1, True)
+        grad_report, loss_report = overflow[2], nan_loss[2]
+        assert grad_report.param == names[-1] and grad_report.kind in ("inf", "nan")
+        if reduce_scatter:  # each rank keeps its own gradient: the rank is known
+            assert grad_report.rank == 1 and not grad_report.on_every_rank
+        else:
+            assert grad_report.on_every_rank
+        assert loss_report.loss_id == 0 and loss_report.rank == 1 and loss_report.kind == "nan"
+
+
 def test_nan_loss_is_logged_at_once_on_rank_0(caplog):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

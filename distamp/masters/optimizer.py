@@ -53,6 +53,9 @@ class AmpOptimizerState:
         self.decided_here = False
         """This optimizer's step made the decision (others sharing its losses reuse it)."""
         self.last_nonfinite: NonFiniteReport | None = None
+        self.decision_report: NonFiniteReport | None = None
+        """What the decision's all-reduce named for the pending step (see [Note: the evidence
+        rides with the decision] in forensics.py)."""
         self.steps = 0
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -92,6 +95,7 @@ class AmpOptimizerState:
         self.backwards = []
         self.seen_nonfinite = None
         self.overflow = None
+        self.decision_report = None
         self.unscaled_shards = None
         self.had_grads = False
         self.masters.release_master_grads()

@@ -1,0 +1,96 @@
+"""wrap(process_group=...) on subgroups: two data-parallel groups in one world of 4, strided as
+tensor x data parallelism lays them out ({0, 2} and {1, 3}: a rank's place in its group is not
+its global rank). Each group decides, scales, shards and checkpoints on its own."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from models import data, mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distamp
+
+STEPS, PER_RANK, FAULT_STEP = 6, 4, 3
+
+
+def reference(seed, skip_step):
+    """FP32, one process, the group's whole batch; skips the step the group skipped."""
+    model = mlp(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, (x, y) in enumerate(data(STEPS, 2 * PER_RANK, seed=seed)):
+        F.mse_loss(model(x), y).backward()
+        if step != skip_step:
+            opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def two_groups(rank, world, opt_level, hook, ckpt_root):
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+    group, seed = groups[rank % 2], 10 + rank % 2
+    place = dist.get_rank(group)
+    model = mlp(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # fp16 at O1/O2, so that the dynamic loss scale moves (bf16's is 1.0, static)
+    kwargs = (
+        {"shard_master_weights": True}
+        if opt_level == "O0"
+        else {"half_dtype": torch.float16, "loss_scale": distamp.LossScaler(init_scale=1024.0)}
+    )
+    model, opt = distamp.wrap(
+        model, opt, opt_level=opt_level, verbosity=0, process_group=group, **kwargs
+    )
+    ddp = DDP(model, process_group=group)
+    if hook:
+        distamp.hooks.register(ddp, opt, reduce_scatter=hook == "rs", process_group=group)
+    skipped, saved = [], None
+    directory = os.path.join(ckpt_root, f"group{rank % 2}")
+    for step, (x, y) in enumerate(data(STEPS, 2 * PER_RANK, seed=seed)):
+        mine = slice(place * PER_RANK, (place + 1) * PER_RANK)
+        loss = F.mse_loss(ddp(x[mine]), y[mine])
+        if step == FAULT_STEP and rank == 2:  # one rank of one group only
+            loss = loss * float("inf")
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(distamp.stats(opt).last_step_skipped)
+        if step == 1:  # both groups save at once, each over its own group
+            distamp.save_checkpoint(directory, model, opt)
+            saved = [p.detach().float().clone() for p in model.parameters()]
+    final = [p.detach().float().clone() for p in model.parameters()]
+    scales = distamp.stats(opt).loss_scales
+    distamp.load_checkpoint(directory, model, opt)
+    reloaded = all(
+        torch.equal(p.float(), s) for p, s in zip(model.parameters(), saved, strict=True)
+    )
+    return skipped, final, scales, reloaded
+
+
+@pytest.mark.parametrize(
+    ("opt_level", "hook", "tol"),
+    [("O2", "rs", 1e-2), ("O1", "plain", 1e-2), ("O0", "rs", 1e-3)],
+)
+def test_two_strided_data_parallel_groups_train_skip_and_checkpoint_apart(
+    tmp_path, opt_level, hook, tol
+):
+    """An inf on rank 2 skips that step in group {0, 2} only (its fp16 loss scale backs off,
+    the other group's does not); each group matches its own FP32 reference (fp16 tolerance,
+    a 16-bit wire for sharded O0); both groups save and load their own checkpoint at the same time."""
+    results = run_ranks(two_groups, 4, opt_level, hook, str(tmp_path))
+    for rank, (skipped, final, scales, reloaded) in enumerate(results):
+        faulty = rank % 2 == 0
+        assert skipped == [faulty and s == FAULT_STEP for s in range(STEPS)], (rank, skipped)
+        if opt_level != "O0":
+            assert scales == (512.0 if faulty else 1024.0,), (rank, scales)
+        ref = reference(10 + rank % 2, FAULT_STEP if faulty else None)
+        error = max((a - b).abs().max().item() for a, b in zip(final, ref, strict=True))
+        assert error < tol, (rank, error)
+        assert reloaded, rank
+    for a, b in ((0, 2), (1, 3)):
+        for p, q in zip(results[a][1], results[b][1], strict=True):
+            assert torch.equal(p, q), (a, b)

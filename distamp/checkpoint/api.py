@@ -440,6 +440,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
     for view in target.views:
         if view.st is not None:
             view.st.masters.copy_to_model()  # collective when sharded
+            view.st.masters.restored = True  # see [Note: loading weights into the masters]
     if manifest["world_size"] == target.world:
         agree("load_checkpoint: RNG state", lambda: _load_rng(directory, target.rank), pg)
     extra = manifest.get("extra") or {}

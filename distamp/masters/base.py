@@ -9,7 +9,7 @@ replicated masters (``replicated.py``), the sharded ones (``sharded.py``) and FS
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ class MasterWeights(Protocol):
 
     sharded: bool
     model_params: list[nn.Parameter]
+    restored: bool
 
     def after_cast(self) -> None: ...
     def model_grads(self) -> list[torch.Tensor | None]: ...
@@ -46,13 +47,18 @@ class MasterWeights(Protocol):
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
-    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
+    def load_value(
+        self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
+    ) -> None: ...
 
 
 class ModelGrads:
     """What replicated and sharded masters share: the model side of the gradients."""
 
     model_params: list[nn.Parameter]
+    restored = False
+    """The optimizer restored the masters (``load_state_dict``, ``load_checkpoint``) since the
+    last step: see [Note: loading weights into the masters]."""
 
     def release_master_grads(self) -> None:
         raise NotImplementedError
@@ -159,8 +165,11 @@ class ModelGrads:
             f"keeps its masters in {type(self).__name__}, which cannot add parameters after wrap"
         )
 
-    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """A value loaded into ``param`` (``load_state_dict``) reaches its FP32 master, if any."""
+    def load_value(
+        self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
+    ) -> None:
+        """A value loaded into ``param`` (``load_state_dict``; ``written``: written in place, see
+        [Note: weights written after wrap]) reaches its FP32 master, if any."""
 
     def _device(self) -> torch.device:
         for param in self.model_params:
@@ -174,8 +183,12 @@ def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
     return None if grad is None else (id(grad), grad._version)
 
 
-def merge_loaded(master: torch.Tensor, value: torch.Tensor, half: torch.dtype) -> torch.Tensor:
-    """The master after ``value`` was loaded into its half parameter.
+def merge_loaded(
+    master: torch.Tensor, value: torch.Tensor, half: torch.dtype, *, written: bool
+) -> torch.Tensor:
+    """The master after ``value`` was loaded into its half parameter (``written``: written in
+    place; else loaded by ``load_state_dict``, which already left the model's own weights out:
+    see :func:`own_weight_back`).
 
     [Note: weights written after wrap] The same holds for weights written in place after wrap
     without load_state_dict: a classifier head re-initialized (``nn.init.zeros_``,
@@ -183,18 +196,37 @@ def merge_loaded(master: torch.Tensor, value: torch.Tensor, half: torch.dtype) -
     would write the old values back at the next step (apex's O2 did; an audit found the writes
     undone). So the masters remember the version counter of every half weight (of each group's
     flat buffer, when sharded) after their own last write, and ``step()`` (and a checkpoint's
-    save) first merges any weight whose counter moved, as a load: element by element, new
-    values replace the master, the model's own rounded values keep it.
+    save) first merges any weight whose counter moved, element by element: a write may touch
+    part of a weight (a new token's embedding row), so values that still equal the master
+    rounded keep it, the others replace it.
+    """
+    value = value.detach().reshape(master.shape)
+    if not written:
+        return value.to(master.dtype)
+    own_weight = value == master.to(half).to(value.dtype)
+    return torch.where(own_weight, master, value.to(master.dtype))
+
+
+def own_weight_back(masters: Any, param: nn.Parameter, value: torch.Tensor) -> bool:
+    """Is ``value``, loaded into ``param``, this model's own weight coming back after the
+    optimizer restored the masters?
 
     [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
     pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters
     unrounded, or the next step writes the old weights back. But a state dict of this very model
     holds only the half weights (or apex's FP32 copies of them), and loading it after the optimizer
-    (``optimizer.load_state_dict`` first, then ``model.load_state_dict``) must not round the exact
-    masters the optimizer just restored. So, element by element: a loaded value that equals the
-    master rounded to the half dtype is this model's own weight coming back and keeps the master;
-    any other value is new and replaces it exactly.
+    (``optimizer.load_state_dict`` first, which writes the restored masters rounded into the
+    model, then ``model.load_state_dict``) must not round the exact masters just restored. So a
+    load keeps the masters only when the optimizer restored them since the last step and the
+    loaded tensor equals the model's current weight everywhere; any other load replaces the
+    masters of that weight whole and exactly. It used to be decided element by element (a
+    loaded value equal to the master rounded kept the master), and an audit loaded a pretrained
+    checkpoint bf16 represents exactly (a model released in bf16) again after a few small
+    steps: every value those steps had moved by less than half a bf16 step kept its trained
+    master (251 of 256). Whole weights, which every rank holds, also make sharded masters
+    decide alike on every rank.
     """
-    value = value.detach().reshape(master.shape)
-    own_weight = value == master.to(half).to(value.dtype)
-    return torch.where(own_weight, master, value.to(master.dtype))
+    if not getattr(masters, "restored", False):
+        return False
+    value = value.detach()
+    return value.shape == param.shape and torch.equal(value.float(), param.detach().float())

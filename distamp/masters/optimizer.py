@@ -170,6 +170,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                     step_in_rounds(self, st.masters, in_rounds)  # type: ignore[arg-type]
         finally:
             st.reset()
+            st.masters.restored = False
             st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
             st.backward_since_step = False
         return None
@@ -304,6 +305,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.steps = int(extra["steps"])
         st.skipped_steps = int(extra["skipped_steps"])
         st.masters.copy_to_model()
+        st.masters.restored = True  # see [Note: loading weights into the masters]
 
 
 def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import HALF_DTYPES
-from .base import ModelGrads, merge_loaded
+from .base import ModelGrads, merge_loaded, own_weight_back
 from .clipping import scale_to_max_norm_
 from .nonfinite import check_and_unscale_
 
@@ -93,7 +93,7 @@ class MasterParams(ModelGrads):
                 self.model_params, self.separate, self.weight_versions, strict=True
             ):
                 if s and p._version != version:
-                    self.load_value(p, p.detach())
+                    self.load_value(p, p.detach(), written=True)
         self._record_weights()
 
     def step_grads(self) -> list[torch.Tensor]:
@@ -120,13 +120,19 @@ class MasterParams(ModelGrads):
         """The tensors a state dict saves as masters (the separate FP32 copies)."""
         return [m for m, s in zip(self.masters, self.separate, strict=True) if s]
 
-    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """See [Note: loading weights into the masters]."""
+    def load_value(
+        self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
+    ) -> None:
+        """See [Note: loading weights into the masters] and [Note: weights written after wrap]."""
         index = self._index().get(id(param))
-        if index is not None and self.separate[index]:
-            master = self.masters[index]
-            with torch.no_grad():
-                master.copy_(merge_loaded(master, value.to(master.device), param.dtype))
+        if index is None or not self.separate[index]:
+            return
+        if not written and own_weight_back(self, param, value):
+            return
+        master = self.masters[index]
+        with torch.no_grad():
+            merged = merge_loaded(master, value.to(master.device), param.dtype, written=written)
+            master.copy_(merged)
 
     def _index(self) -> dict[int, int]:
         """id(model parameter) -> its position (rebuilt when a group is added)."""

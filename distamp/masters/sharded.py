@@ -46,7 +46,7 @@ from torch import nn
 
 from ..collectives import all_reduce_
 from ..config import HALF_DTYPES
-from .base import ModelGrads, grad_version, merge_loaded
+from .base import ModelGrads, grad_version, merge_loaded, own_weight_back
 from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .gather import WeightGather
 from .layout import BLOCK, GroupLayout, Interval, ParamRange, slice_state
@@ -411,7 +411,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             now = [p._version for p in layout.params]
             for param, before, after in zip(layout.params, layout.seen_versions, now, strict=True):
                 if before != after:
-                    self.load_value(param, param.detach())
+                    self.load_value(param, param.detach(), written=True)
             layout.seen_versions = now
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
@@ -446,15 +446,19 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         """The tensors a state dict saves as this rank's masters (the shards)."""
         return list(self.shards)
 
-    def load_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+    def load_value(
+        self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
+    ) -> None:
         """This rank's piece of a value loaded into ``param``; see [Note: loading weights into
-        the masters]."""
+        the masters] and [Note: weights written after wrap]."""
+        if not written and own_weight_back(self, param, value):
+            return
         flat_value = value.detach().reshape(-1)
         with torch.no_grad():
             for g, src, count, dst in self._pieces_of().get(id(param), []):
                 piece = self.shards[g][dst : dst + count]
                 loaded = flat_value[src : src + count].to(piece.device)
-                piece.copy_(merge_loaded(piece, loaded, param.dtype))
+                piece.copy_(merge_loaded(piece, loaded, param.dtype, written=written))
 
     def _pieces_of(self) -> dict[int, list[tuple[int, int, int, int]]]:
         """id(model parameter) -> (group, first element in it, count, first element in the

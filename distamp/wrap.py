@@ -440,12 +440,26 @@ class _HalfAsFP32StateDict:
 
     The cast tensors are known by their names in each module, taken before the cast: casting a
     buffer replaces it by a new tensor (BatchNorm's running stats under O3), so ids would miss it.
+
+    [Note: a copy's state dict is live] torch's ``state_dict()`` hands out detached tensors that
+    share storage with the module, and EMAs rely on it: timm's ``ModelEmaV2``/``ModelEmaV3``
+    write ``ema.state_dict()`` in place. A deep or pickled copy of an O2 model (an EMA built after
+    wrap) used to widen its own cast tensors too, so every EMA update landed in a throwaway FP32
+    copy and the EMA never moved (an audit; nothing warned). A copy owns no masters and is not
+    the model apex's recipe checkpoints, so it reports its live half tensors: an EMA kept in it
+    moves (in the half dtype; an FP32 EMA is built before wrap, see the README).
     """
 
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
-        """This module's cast tensors: one hook per module, so a deep or pickled copy of the
-        model (an EMA) reports its own cast tensors FP32 too (keyed by id(module), it did not)."""
+        """This module's cast tensors."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A deep or pickled copy widens nothing: see [Note: a copy's state dict is live]."""
+        return {"names": frozenset()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.names = state["names"]
 
     def __call__(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any

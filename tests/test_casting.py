@@ -173,13 +173,43 @@ def test_a_wrapped_model_pickles_and_its_copy_keeps_the_forward(level):
             assert (
                 copied.ln.weight.dtype == torch.float32 and copied.bn.weight.dtype == torch.float32
             )
-            # an EMA copy's checkpoint is FP32 like the original's (apex's O2 state dict)
-            floats = {v.dtype for v in copied.state_dict().values() if v.is_floating_point()}
-            assert floats == {torch.float32}
+            # [Note: a copy's state dict is live]: an EMA written through it moves (timm's)
+            state = copied.state_dict()
+            assert state["fc1.weight"].dtype == torch.bfloat16
+            state["fc1.weight"].mul_(0.5)
+            assert torch.equal(copied.fc1.weight, model.fc1.weight * 0.5)
+            plain = NormMLP()
+            plain.load_state_dict(copied.state_dict())  # a plain FP32 model loads it
+            assert torch.equal(plain.fc1.weight, copied.fc1.weight.float())
             before = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
             copied.load_state_dict({k: v * 0 for k, v in copied.state_dict().items()})
             after = [m.detach() for g in opt.param_groups for m in g["params"]]
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_an_ema_copy_made_after_o2_wrap_moves_when_updated_through_its_state_dict():
+    """timm's ModelEmaV2/V3 pattern: deepcopy after wrap, then write ``ema.state_dict()`` in
+    place from ``model.state_dict()``. The copy used to report FP32 copies of its half tensors
+    and the EMA never moved (an audit, see [Note: a copy's state dict is live]); the model's
+    own state dict stays FP32 (apex's O2 recipe)."""
+    model, opt = wrapped("O2", torch.bfloat16)
+    ema = copy.deepcopy(model).eval()
+    start = ema.fc1.weight.detach().clone()
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # ModelEmaV2._update, decay 0.5
+            for ema_v, model_v in zip(
+                ema.state_dict().values(), model.state_dict().values(), strict=True
+            ):
+                if ema_v.is_floating_point():
+                    ema_v.copy_(ema_v * 0.5 + 0.5 * model_v)
+    assert model.state_dict()["fc1.weight"].dtype == torch.float32
+    assert not torch.equal(ema.fc1.weight, start)
+    assert torch.allclose(ema.fc1.weight.float(), model.fc1.weight.float(), atol=0.05)
 
 
 def _saved_and_loaded(model, buffer):

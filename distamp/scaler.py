@@ -483,12 +483,14 @@ class ScalerGroup:
         raise RuntimeError(
             "the ranks' copies of the parameters every rank steps whole under sharded masters "
             f"({names}{' and more' if len(kept) > 3 else ''}) differ: expected them identical "
-            "on every rank, as wrap made them. The usual cause is clipping by a norm over "
+            "on every rank, as wrap made them. The usual causes: clipping by a norm over "
             "optimizer.param_groups (or amp.master_params): with sharded masters they hold this "
-            "rank's shard, so each rank clipped by its own norm. Clip with "
+            "rank's shard, so each rank clipped by its own norm — clip with "
             "distamp.clip_grad_norm_(optimizer, max_norm), or torch's clip_grad_norm_ over "
             "model.parameters() after distamp.unscale_(optimizer), or wrap with "
-            "shard_master_weights=False"
+            "shard_master_weights=False; or hyperparameters that differ between ranks (lr, "
+            "betas, weight_decay: a scheduler such as ReduceLROnPlateau stepped with each "
+            "rank's own loss) — step it with a value every rank agrees on (an all-reduced loss)"
         )
 
     def _block_flag(

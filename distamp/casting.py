@@ -467,6 +467,29 @@ def plan_precision(
     )
 
 
+def cast_tensors(model: nn.Module, plan: PrecisionPlan) -> None:
+    """Cast the parameters and buffers of ``model`` that ``plan`` casts, in place (parameters
+    keep their identity: only ``.data`` changes)."""
+    if plan.half_dtype is None:
+        return
+    cast: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is None or id(param) not in plan.cast_params:
+                    continue
+                if param.dtype != plan.half_dtype:
+                    param.data = param.data.to(plan.half_dtype)
+                    if param.grad is not None:
+                        param.grad = param.grad.to(plan.half_dtype)
+            for name, buffer in module._buffers.items():
+                if buffer is None or id(buffer) not in plan.cast_buffers:
+                    continue
+                if id(buffer) not in cast:
+                    cast[id(buffer)] = buffer.to(plan.half_dtype)
+                module._buffers[name] = cast[id(buffer)]
+
+
 def cast_model(model: nn.Module, props: Properties, device_type: str, plan: PrecisionPlan) -> None:
     """Cast ``model`` in place as ``plan`` says and give it the autocast/cast ``forward``.
 
@@ -479,23 +502,7 @@ def cast_model(model: nn.Module, props: Properties, device_type: str, plan: Prec
     for module in plan.fp32_modules:
         if id(module) in mine:
             keep_fp32(module, plan.half_dtype, classes)
-    if plan.half_dtype is not None:
-        cast: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for module in model.modules():
-                for param in module._parameters.values():
-                    if param is None or id(param) not in plan.cast_params:
-                        continue
-                    if param.dtype != plan.half_dtype:
-                        param.data = param.data.to(plan.half_dtype)
-                        if param.grad is not None:
-                            param.grad = param.grad.to(plan.half_dtype)
-                for name, buffer in module._buffers.items():
-                    if buffer is None or id(buffer) not in plan.cast_buffers:
-                        continue
-                    if id(buffer) not in cast:
-                        cast[id(buffer)] = buffer.to(plan.half_dtype)
-                    module._buffers[name] = cast[id(buffer)]
+    cast_tensors(model, plan)
     model.__class__ = _subclass(
         type(model),
         AmpModule,

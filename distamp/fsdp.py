@@ -364,6 +364,12 @@ def fully_shard(
     if not on_meta:
         broadcast_from_rank0_(_states_of([model]), group)
 
+    if props.model_is_cast and not props.master_weights:
+        # [Note: O3 under FSDP] O3 has no FP32 masters: the weights FSDP shards (and the
+        # optimizer steps) are half, as wrap's O3 makes them. Left FP32, FSDP's sharded
+        # parameters were FP32 masters by another name (an audit: FP32 parameters and AdamW
+        # state under "O3", twice the bytes, and stats' master_bytes reported 0).
+        casting.cast_tensors(model, casting.plan_precision([model], props))
     _set_forward_classes(model, props, device_type)
     if api == "fsdp2":
         _apply_fsdp2(model, props, blocks, mesh, group, device_type, reshard_after_forward)

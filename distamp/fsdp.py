@@ -45,7 +45,7 @@ from .collectives import (
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
-from .masters.nonfinite import check_and_unscale_
+from .masters.nonfinite import check_and_unscale_, nonfinite_each
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .scaler import ScalerGroup, split_loss_scale
 
@@ -99,6 +99,13 @@ class FSDPParams(ModelGrads):
         attribute each block's new non-finite values: see ``finish_backward``)."""
         grads = self._local_grads() + self._unreduced_grads()
         return check_and_unscale_(grads, 1.0, self._device())
+
+    def check_each(self) -> torch.Tensor:
+        """One flag per parameter's local shard gradient, and one for every gradient FSDP
+        holds unreduced (see :meth:`check`)."""
+        local = [None if p.grad is None else _local(p.grad) for p in self.model_params]
+        held = check_and_unscale_(self._unreduced_grads(), 1.0, self._device())
+        return torch.cat([nonfinite_each(local, self._device()), held])
 
     def step_grads(self) -> list[torch.Tensor]:
         return self._local_grads()

@@ -376,11 +376,29 @@ class ScalerGroup:
             st.backwards.append(block)
             st.had_grads = st.had_grads or any(p.grad is not None for p in st.masters.model_params)
             if attribute:
-                now = st.masters.check()
-                seen = st.seen_nonfinite if st.seen_nonfinite is not None else torch.zeros_like(now)
-                new = now * (1 - seen)
-                block.flag = new if block.flag is None else torch.maximum(block.flag, new)
-                st.seen_nonfinite = torch.maximum(seen, now)
+                # [Note: which block made a gradient non-finite] Per parameter: a block is
+                # flagged when some gradient is non-finite now that was finite at the end of
+                # every earlier block. One flag per optimizer masked every block after the first
+                # non-finite one (an audit: loss 1 overflowing in other parameters of an
+                # optimizer loss 0 had overflowed already did not back loss 1's scale off, nor
+                # skip the other optimizer loss 1 was passed with). A later block that makes an
+                # already non-finite gradient non-finite again cannot be told apart without a
+                # copy of every gradient per block (apex's stash): it is not flagged.
+                each = st.masters.check_each()
+                seen = st.seen_each
+                if seen is None or seen.shape != each.shape:
+                    seen = torch.zeros_like(each)
+                new = (each * (1 - seen)).amax(dim=0, keepdim=True) if each.numel() else None
+                if new is not None:
+                    block.flag = new if block.flag is None else torch.maximum(block.flag, new)
+                st.seen_each = torch.maximum(seen, each)
+                now = (
+                    each.amax(dim=0, keepdim=True)
+                    if each.numel()
+                    else torch.zeros(1, device=each.device)
+                )
+                previous = st.seen_nonfinite
+                st.seen_nonfinite = now if previous is None else torch.maximum(previous, now)
         # Any backward (also one whose loss another optimizer was passed with) may add to any
         # pending gradients: refresh every optimizer's record (see [Note: scaled gradients
         # touched before step()]).

@@ -134,3 +134,73 @@ def test_loss_id_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, num_losses=2\), got 2"):
         with distamp.scale_loss(loss, opt, loss_id=2):
             pass
+
+
+class _Pair(nn.Module):
+    def __init__(self, unique):
+        super().__init__()
+        self.weight0 = nn.Parameter(unique + torch.arange(2, dtype=torch.float32))
+        self.weight1 = nn.Parameter(1.0 + unique + torch.arange(2, dtype=torch.float32))
+
+    def forward(self, x):
+        return ((x * self.weight0.float()) * self.weight1.float()).sum()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize(
+    ("overflowing", "scales"), [((0, 1), [2.0, 8.0]), ((0,), [2.0, 16.0]), ((1,), [4.0, 8.0])]
+)
+def test_each_overflowed_loss_backs_off_also_when_another_already_did(
+    opt_level, overflowing, scales
+):
+    """[Note: which block made a gradient non-finite] apex's two-losses-one-optimizer case with
+    both losses overflowing in one step (each in its own parameters): both scales back off, as
+    apex's (each checks only the gradients its own backward made). One flag per optimizer
+    masked loss 1's overflow behind loss 0's (an audit: scales [2, 16])."""
+    m0, m1 = _Pair(1), _Pair(2)
+    opt = torch.optim.SGD([{"params": m0.parameters()}, {"params": m1.parameters()}], lr=0.25)
+    (m0, m1), opt = distamp.wrap(
+        [m0, m1], opt, opt_level=opt_level, num_losses=2, half_dtype=torch.bfloat16, verbosity=0
+    )
+    group = opt._distamp.group
+    group.scalers[0].scale, group.scalers[1].scale = 4.0, 16.0
+    x = torch.ones(2)
+    for loss_id, model in enumerate((m0, m1)):
+        with distamp.scale_loss(model(x), opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+            if loss_id in overflowing:
+                model.weight0.grad[0] = float("inf")
+    opt.step()
+    assert distamp.stats(opt).last_step_skipped
+    assert [s.scale for s in group.scalers] == scales
+
+
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_an_optimizer_skips_when_its_loss_overflowed_in_another_optimizers_parameters(num_losses):
+    """DESIGN 4: loss 0 -> [o0] overflows; loss 1 -> [o0, o1] overflows too, in o0's parameters
+    only. o1 took part in an overflowed loss: it skips, and loss 1's scale backs off (an audit:
+    o1 stepped, as o0 already held a non-finite gradient when loss 1's block ended)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    o0, o1 = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    (a, b), (o0, o1) = distamp.wrap(
+        [a, b],
+        [o0, o1],
+        opt_level="O2",
+        num_losses=num_losses,
+        half_dtype=torch.bfloat16,
+        verbosity=0,
+    )
+    x = torch.randn(2, 4)
+    with distamp.scale_loss(a(x).float().sum(), o0, loss_id=0) as scaled:
+        scaled.backward()
+        a.weight.grad[0, 0] = float("inf")
+    with distamp.scale_loss((a(x) * b(x)).float().sum(), [o0, o1], loss_id=num_losses - 1) as s:
+        s.backward()
+        a.bias.grad[0] = float("inf")
+    before = b.weight.detach().clone()
+    o0.step()
+    o1.step()
+    assert distamp.stats(o0).last_step_skipped and distamp.stats(o1).last_step_skipped
+    assert torch.equal(b.weight, before)
+    assert distamp.stats(o1).loss_scales[-1] == 2.0**15  # loss 1 backed off from 2**16

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .nonfinite import nonfinite_flag
+from .nonfinite import nonfinite_each, nonfinite_flag
 
 
 class MasterWeights(Protocol):
@@ -29,6 +29,7 @@ class MasterWeights(Protocol):
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor: ...
     def check_views(self, names: dict[int, str]) -> None: ...
     def check(self) -> torch.Tensor: ...
+    def check_each(self) -> torch.Tensor: ...
     def step_grads(self) -> list[torch.Tensor]: ...
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor: ...
     def copy_to_model(self, *, after_step: bool = False) -> None: ...
@@ -69,6 +70,10 @@ class ModelGrads:
     def check(self) -> torch.Tensor:
         """A 0/1 flag: does any model gradient hold inf/NaN? (Reads only.)"""
         return nonfinite_flag([g for g in self.model_grads() if g is not None], self._device())
+
+    def check_each(self) -> torch.Tensor:
+        """One 0/1 flag per model parameter: does its gradient hold inf/NaN? (Reads only.)"""
+        return nonfinite_each(self.model_grads(), self._device())
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         for param in self.model_params:

@@ -23,6 +23,17 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
     return check_and_unscale_(list(tensors), 1.0, device)
 
 
+def nonfinite_each(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """A float32 vector on ``device``: 1.0 where that tensor holds inf/NaN (None: 0.0), no host
+    sync. One check per tensor: what tells which blocks of several losses made which values
+    non-finite (see ``ScalerGroup.finish_backward``)."""
+    flags = [
+        torch.zeros((), device=device) if t is None else check_and_unscale_([t], 1.0, device)[0]
+        for t in tensors
+    ]
+    return torch.stack(flags) if flags else torch.zeros(0, device=device)
+
+
 def check_and_unscale_(
     grads: list[torch.Tensor], inv_scale: float, device: torch.device
 ) -> torch.Tensor:

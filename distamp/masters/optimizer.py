@@ -48,6 +48,8 @@ class AmpOptimizerState:
         """The ``scale_loss`` blocks that produced gradients for this optimizer since its step."""
         self.seen_nonfinite: torch.Tensor | None = None
         """With per-block attribution: the grads were non-finite already at the last block's end."""
+        self.seen_each: torch.Tensor | None = None
+        """The same per parameter (see [Note: which block made a gradient non-finite])."""
         self.overflow: bool | None = None
         """The global decision, once made for the pending step."""
         self.decided_here = False
@@ -94,6 +96,7 @@ class AmpOptimizerState:
         self.grad_scale = None
         self.backwards = []
         self.seen_nonfinite = None
+        self.seen_each = None
         self.overflow = None
         self.decision_report = None
         self.unscaled_shards = None

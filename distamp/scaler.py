@@ -49,6 +49,13 @@ BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
 
 
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+
+
 class LossScaler:
     """The loss scale of one loss: static, or dynamic with growth, backoff, hysteresis and bounds."""
 
@@ -56,7 +63,7 @@ class LossScaler:
         self,
         loss_scale: float | str = "dynamic",
         *,
-        init_scale: float = INIT_SCALE,
+        init_scale: float | None = None,
         growth_factor: float = GROWTH_FACTOR,
         backoff_factor: float = BACKOFF_FACTOR,
         growth_interval: int = GROWTH_INTERVAL,
@@ -72,6 +79,18 @@ class LossScaler:
             raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval!r}")
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        if init_scale is not None:
+            _positive("init_scale", init_scale)
+        if loss_scale != "dynamic":
+            _positive("loss_scale", loss_scale)
+        if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale > 0):
+            raise ValueError(f"max_loss_scale: expected a positive number, got {max_loss_scale!r}")
+        if loss_scale == "dynamic" and init_scale is not None and init_scale > max_loss_scale:
+            raise ValueError(
+                f"init_scale: expected at most max_loss_scale ({max_loss_scale:g}), got "
+                f"{init_scale:g}: the scale never exceeds max_loss_scale (apex's default 2**24); "
+                "pass a larger max_loss_scale (float('inf') for none, as DeepSpeed and torch.amp)"
+            )
         self.settings: dict[str, Any] = {
             "loss_scale": loss_scale,
             "init_scale": init_scale,
@@ -91,7 +110,9 @@ class LossScaler:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         if self.dynamic:
-            scale = min(init_scale, max_loss_scale)
+            # apex: the default start (2**16) is capped by max_loss_scale; an explicit
+            # init_scale above it was refused above
+            scale = min(INIT_SCALE if init_scale is None else init_scale, max_loss_scale)
             if min_loss_scale is not None:
                 scale = max(scale, min_loss_scale)
         else:
@@ -137,7 +158,9 @@ class LossScaler:
             return
         self.hysteresis_left = self.hysteresis
         self.clean_steps += 1
-        if self.clean_steps >= self.growth_interval:
+        # `==`, as apex's and torch's scalers: a count already past the interval (the interval
+        # lowered, or a tracker loaded from a longer one) waits for the next backoff, as there.
+        if self.clean_steps == self.growth_interval:
             self.clean_steps = 0
             # Capped at max_loss_scale; a scale above it (loaded from torch's uncapped GradScaler)
             # is kept, never lowered by a growth step.

@@ -215,6 +215,28 @@ def test_setters_change_the_next_updates_like_torch():
         ours.set_backoff_factor(1.5)
 
 
+def test_growth_interval_lowered_below_the_tracker_waits_like_torch():
+    """torch grows only when ``tracker + 1 == growth_interval``: an interval lowered below the
+    tracker waits for the next backoff (an audit: ours grew at once)."""
+    sequences = []
+    for make in (distamp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=8.0, growth_interval=5)
+        param = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([param], lr=0.0)
+        seen = []
+        for it in range(8):
+            scaler.scale(param.sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if it == 2:
+                scaler.set_growth_interval(2)
+            seen.append(scaler.get_scale())
+        sequences.append((seen, scaler.state_dict()))
+    assert sequences[0] == sequences[1]
+    assert sequences[0][0] == [8.0] * 8
+
+
 def test_state_dict_is_interchangeable_with_torchs():
     ours, theirs = scalers()
     plain(theirs, True, skip_iter=1)

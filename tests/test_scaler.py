@@ -93,6 +93,11 @@ def test_state_dict_round_trip_and_refusals():
         ({"backoff_factor": 1.5}, "backoff_factor"),
         ({"growth_interval": 0}, "growth_interval"),
         ({"hysteresis": 0}, "hysteresis"),
+        ({"init_scale": 0}, "init_scale"),  # an audit: ZeroDivisionError at the first step
+        ({"init_scale": float("nan")}, "init_scale"),  # ... or every step skipped
+        ({"init_scale": -8.0}, "init_scale"),
+        ({"init_scale": 2.0**30}, "at most max_loss_scale"),  # silently capped at 2**24 before
+        ({"loss_scale": 0.0}, "loss_scale"),
     ],
 )
 def test_bad_settings_are_refused(kw, name):
@@ -132,3 +137,24 @@ def test_wrap_takes_a_loss_scaler_for_the_settings_apex_arguments_do_not_reach()
     assert template.scale == 2.0**12 and template.clean_steps == 0
     with pytest.raises(ValueError, match="min_loss_scale and max_loss_scale on the LossScaler"):
         distamp.wrap(mlp(), None, opt_level="O2", loss_scale=template, max_loss_scale=2.0**10)
+
+
+def test_an_explicit_init_scale_above_the_default_cap_needs_a_larger_max():
+    assert LossScaler(init_scale=2.0**30, max_loss_scale=float("inf")).scale == 2.0**30
+    assert LossScaler(max_loss_scale=2.0**10).scale == 2.0**10  # the default start is capped
+
+
+def test_a_count_past_the_growth_interval_waits_for_the_next_backoff_as_apex_and_torch():
+    """apex (``_unskipped == _scale_seq_len``) and torch (``tracker + 1 == interval``) grow only
+    when the count reaches the interval exactly: lowered below the count, growth waits."""
+    scaler = LossScaler(init_scale=8.0, growth_interval=5)
+    for _ in range(3):
+        scaler.update(False)
+    scaler.growth_interval = 2
+    for _ in range(4):
+        scaler.update(False)
+    assert scaler.scale == 8.0
+    scaler.update(True)
+    scaler.update(False)
+    scaler.update(False)
+    assert scaler.scale == 8.0  # backed off to 4, grown back after 2 clean steps

@@ -74,7 +74,9 @@ class Properties:
             raise ValueError(
                 f"max_consecutive_skips: expected an int >= 1, got {self.max_consecutive_skips!r}"
             )
-        _check_positive_finite("max_loss_scale", self.max_loss_scale)
+        # float("inf"): no cap (DeepSpeed's and torch.amp's); growth still stops at FP32's largest
+        if self.max_loss_scale != float("inf"):
+            _check_positive_finite("max_loss_scale", self.max_loss_scale)
         if self.min_loss_scale is not None:
             _check_positive_finite("min_loss_scale", self.min_loss_scale)
             if self.min_loss_scale > self.max_loss_scale:

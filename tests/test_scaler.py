@@ -3,7 +3,9 @@
 import math
 
 import pytest
+import torch
 
+import distamp
 from distamp import LossScaler
 
 
@@ -158,3 +160,20 @@ def test_a_count_past_the_growth_interval_waits_for_the_next_backoff_as_apex_and
     scaler.update(False)
     scaler.update(False)
     assert scaler.scale == 8.0  # backed off to 4, grown back after 2 clean steps
+
+
+def test_wrap_takes_no_cap_as_deepspeed_and_torch_have_none():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    template = LossScaler(init_scale=2.0**30, max_loss_scale=float("inf"))
+    model, opt = distamp.wrap(model, opt, opt_level="O2", loss_scale=template, verbosity=0)
+    assert distamp.stats(opt).loss_scales == (2.0**30,)
+    other = torch.nn.Linear(2, 2)
+    _, opt2 = distamp.wrap(
+        other,
+        torch.optim.SGD(other.parameters(), lr=0.1),
+        opt_level="O2",
+        max_loss_scale=float("inf"),
+        verbosity=0,
+    )
+    assert distamp.stats(opt2).loss_scales == (2.0**16,)

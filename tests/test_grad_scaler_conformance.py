@@ -415,3 +415,43 @@ def test_o1_wrap_trains_a_sparse_embedding_like_fp32():
     # fp16 autocast in the head: the embedding's sparse update agrees to half precision.
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def _sparse_register(rank, world, opt_level):
+    model = sparse_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = distamp.wrap(model, opt, opt_level=opt_level, verbosity=0)
+    ddp = DDP(_Sparse(model))
+    distamp.hooks.register(ddp, opt)  # a CompressState: O0/O1 buckets are FP32 on a bf16 wire
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        idx = torch.randint(0, 12, (8 * world, 5), generator=gen)
+        y = torch.randn(8 * world, 3, generator=gen)
+        mine = slice(rank * 8, (rank + 1) * 8)
+        loss = F.mse_loss(ddp(idx[mine]).float(), y[mine])
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_register_reduces_a_sparse_embedding_like_fp32(opt_level):
+    """An audit: hooks.register at O0/O1 crashed in backward on a sparse bucket
+    (aten::as_strided on SparseCPU: the pooled path cut it into stretches)."""
+    results = run_ranks(_sparse_register, 2, opt_level)
+    reference = sparse_model()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        idx = torch.randint(0, 12, (16, 5), generator=gen)
+        y = torch.randn(16, 3, generator=gen)
+        F.mse_loss(reference["head"](reference["emb"](idx).sum(1)), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.equal(a, b)
+    # a bf16 wire (and O1's bf16 autocast): within bf16's resolution of the FP32 reference
+    for a, b in zip(results[0], reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), atol=3e-2, rtol=3e-2)

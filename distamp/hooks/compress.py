@@ -210,7 +210,13 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    pool = state if isinstance(state, CompressState) and buffer.dtype != wire else None
+    # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into the pool's stretches: it
+    # takes the plain path (an audit: CompressState crashed in backward with aten::as_strided).
+    pool = (
+        state
+        if isinstance(state, CompressState) and buffer.dtype != wire and not buffer.is_sparse
+        else None
+    )
     if pool is not None:
         pool.wait_for_room(bucket.index())
         out = pool.take(buffer.numel(), wire, buffer.device)

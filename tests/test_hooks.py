@@ -234,6 +234,11 @@ def _refusals(rank, world):
         distamp.hooks.register(model, opt)
     except TypeError as err:
         messages.append(str(err))
+    other = DDP(mlp(seed=1))  # a DDP of another model (an audit: accepted silently)
+    try:
+        distamp.hooks.register(other, opt)
+    except ValueError as err:
+        messages.append(str(err))
     ddp = DDP(model)
     distamp.hooks.register(ddp, opt)
     try:
@@ -244,10 +249,11 @@ def _refusals(rank, world):
     return messages, fallback, _can_reduce(torch.bfloat16, None)
 
 
-def test_register_refuses_non_ddp_and_twice_and_probes_dtypes():
+def test_register_refuses_non_ddp_another_models_ddp_and_twice_and_probes_dtypes():
     for messages, fp8_ok, bf16_ok in run_ranks(_refusals, 2):
         assert "expected a DistributedDataParallel model, got Sequential" in messages[0]
-        assert "already has a comm hook" in messages[1]
+        assert "holding none of the optimizer's 6 parameters" in messages[1], messages[1]
+        assert "already has a comm hook" in messages[2]
         assert (fp8_ok, bf16_ok) == (False, True)
 
 

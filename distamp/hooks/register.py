@@ -82,6 +82,16 @@ def register(
         )
     st = optimizer._distamp
     props = st.group.props
+    in_ddp = {id(p) for p in ddp_model.parameters()}
+    if st.masters.model_params and not any(id(p) in in_ddp for p in st.masters.model_params):
+        # An audit: a DDP built on another model was accepted, the optimizer's own DDP reduced
+        # in FP32 with no hook, and the forward waits went on the other model's modules.
+        raise ValueError(
+            "distamp.hooks.register: expected the DistributedDataParallel of the model this "
+            f"optimizer steps, found a DDP of {type(ddp_model.module).__name__} holding none of "
+            f"the optimizer's {len(st.masters.model_params)} parameters: pass the DDP built on "
+            "the model distamp.wrap returned with this optimizer"
+        )
     group = process_group if process_group is not None else ddp_model.process_group
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None

@@ -4,7 +4,10 @@
 divides by the world size: a gradient that only fits after the division (every rank holding 5e4:
 the FP16 *sum* overflows; or one rank holding 1e5) comes back inf. distamp divides in the bucket's
 own precision (FP32 for FP32 grads) *first* and casts the quotient, so every addend is ``g / N``
-and the sum is the mean: the result is finite wherever the true mean fits in the wire dtype.
+and the sum is the mean: the result is finite wherever every ``g / N`` and every partial sum of
+them fits in the wire dtype — the mean alone does not promise it: at N = 3, -1.5e5, 1.5e5, 1.5e5
+(mean 5e4) come back inf when the ring adds the two positive quotients first (an audit); torch's
+cast-first hook returns inf there whatever the order, as soon as one |g| exceeds FP16's range.
 Why not FSDP2's split (divide by ~sqrt(N) before, the rest after): its partial sums are
 ``sqrt(N)`` times the mean and overflow first. The price of full pre-division is at the bottom of
 FP16's range: ``g / N`` reaches the subnormals ``log2(N)`` bits sooner. 1e-6 at N = 8 is 2.1

@@ -304,9 +304,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("threads", "keep", "clip", "weight_decay", "bucket_mb"):
-        if getattr(args, name) < 0:
+    for name in ("threads", "keep", "clip", "weight_decay", "bucket_mb", "save_every"):
+        if not getattr(args, name) >= 0:  # NaN too
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.ckpt_dir is not None:
+        check_ckpt_dir(parser, args.ckpt_dir)
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
     if not args.data_mb > 0:
@@ -330,6 +332,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     check_progress_arguments(parser, args, run_name=f"gpt-{args.size}")
     return args
+
+
+def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path) -> None:
+    """--ckpt-dir must be a directory this process can write (made if missing), checked before
+    training: an audit found a file or a read-only path refused only at the first save, after
+    every step had run."""
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if where.exists() and not where.is_dir():
+        parser.error(f"--ckpt-dir {path}: expected a directory, found a file at {where}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        parser.error(f"--ckpt-dir {path}: expected a writable directory, {where} is not writable")
 
 
 def add_progress_arguments(
@@ -518,9 +533,17 @@ def save(
     )
     if progress.enabled:
         progress.print(f"saved {directory} in {time.perf_counter() - start:.2f} s")
-        done = sorted(p for p in args.ckpt_dir.glob("step_*") if (p / "COMMIT").is_file())
-        for old in done[: -args.keep] if args.keep > 0 else []:
-            shutil.rmtree(old)
+        # Prune only intact checkpoints of this step or earlier, never the one just written: an
+        # audit found a damaged newer one (or a later step of an earlier run in the same folder)
+        # counted among the newest, and the fresh save deleted.
+        ours = [
+            Path(path)
+            for saved, path in distamp.checkpoint.list_checkpoints(args.ckpt_dir)
+            if saved <= step
+        ]
+        for old in ours[: -args.keep] if args.keep > 0 else []:
+            if old.resolve() != directory.resolve():
+                shutil.rmtree(old)
 
 
 def inject_failure(step: int) -> None:
@@ -807,6 +830,16 @@ def main() -> None:
 
     first_step = 1
     resume_from = find_resume(args)
+    if resume_from is None and args.ckpt_dir is not None and is_main:
+        earlier = distamp.checkpoint.list_checkpoints(args.ckpt_dir)
+        if earlier:
+            print(
+                f"note: starting fresh (--resume {args.resume}) in --ckpt-dir {args.ckpt_dir}, "
+                f"which holds {len(earlier)} checkpoint(s) of an earlier run up to step "
+                f"{earlier[-1][0]}: --keep prunes only this run's, and a later --resume auto "
+                "resumes the highest step in the folder",
+                flush=True,
+            )
     if resume_from is not None:
         extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
         scheduler.load_state_dict(extra["scheduler"])

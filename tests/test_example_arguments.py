@@ -25,6 +25,13 @@ BAD = {
         "--reduce-scatter is a comm hook",
     ),
     "shard-weights at O3": (["--shard-weights", "--opt-level", "O3"], "--shard-weights shards"),
+    "negative save-every": (["--save-every", "-1"], "--save-every must be >= 0"),
+    "clip nan": (["--clip", "nan"], "--clip must be >= 0, got nan"),
+    "ckpt-dir a file": (["--ckpt-dir", __file__], "expected a directory, found a file"),
+    "ckpt-dir under a file": (
+        ["--ckpt-dir", str(Path(__file__) / "ckpt")],
+        "expected a directory, found a file",
+    ),
     "reduce-scatter at O1 unsharded": (
         ["--reduce-scatter", "--opt-level", "O1"],
         "add --shard-weights",
@@ -44,3 +51,7 @@ def test_a_bad_flag_is_refused_by_name(name, capsys):
 def test_good_combinations_parse():
     assert parse_args(["--reduce-scatter", "--opt-level", "O1", "--shard-weights"]).shard_weights
     assert parse_args(["--keep", "0", "--clip", "0", "--threads", "0"]).keep == 0
+
+
+def test_ckpt_dir_to_be_made_under_a_writable_folder_parses(tmp_path):
+    assert parse_args(["--ckpt-dir", str(tmp_path / "runs" / "a")]).ckpt_dir is not None

@@ -252,3 +252,26 @@ def test_shard_weights_flag_trains_like_fp32_and_resumes_bit_exact(tmp_path):
     out = run([*torchrun(1), *o0, *resume, "--run-dir", str(alone)], tmp_path)
     assert "(step 3)" in out and "world size 1" in out
     assert [r["step"] for r in rows(alone)] == [4, 5, 6]
+
+
+def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_path):
+    """An audit: --keep sorted every committed step_* by name, so a damaged newer checkpoint, or
+    a later step of an earlier run in the same folder, counted among the newest and the fresh
+    save was deleted right after it was written."""
+    ckpt = tmp_path / "ckpt"
+    base = [sys.executable, str(SCRIPT), *TINY, "--run-dir", "none", "--ckpt-dir", str(ckpt)]
+    run([*base, "--steps", "4", "--save-every", "2", "--keep", "1"], tmp_path)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004"]
+    out = run(
+        [*base, "--steps", "3", "--save-every", "3", "--keep", "1", "--resume", "none"], tmp_path
+    )
+    assert "holds 1 checkpoint(s) of an earlier run up to step 4" in out, out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000003", "step_000004"]
+    # a damaged newest checkpoint: resume skips it, and the next save prunes around it
+    shard = next((ckpt / "step_000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    out = run(
+        [*base, "--steps", "5", "--save-every", "5", "--keep", "1", "--resume", "auto"], tmp_path
+    )
+    assert "(step 3)" in out, out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005"]

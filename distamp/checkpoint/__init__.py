@@ -4,7 +4,7 @@
 """
 
 from .api import load_checkpoint, save_checkpoint
-from .files import CheckpointError, latest_checkpoint
+from .files import CheckpointError, latest_checkpoint, list_checkpoints
 from .offline import consolidate, consolidate_optimizer_state, inspect
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "consolidate_optimizer_state",
     "inspect",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
 ]

@@ -241,9 +241,18 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     does not match their manifest are ignored; one whose data files are missing or cut short is
     skipped with a warning (the next newest is returned). Not a collective: any rank may call it.
     """
+    intact = list_checkpoints(root, warn=True)
+    return intact[-1][1] if intact else None
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, warn: bool = False) -> list[tuple[int, str]]:
+    """(step, directory) of every intact committed checkpoint directly under ``root``, oldest
+    first (by step, then by commit time): what :func:`latest_checkpoint` chooses from, and what
+    a script pruning old checkpoints may delete from (never a damaged or unfinished one it cannot
+    tell the age of). Not a collective."""
     base = Path(root)
     if not base.is_dir():
-        return None
+        return []
     candidates: list[tuple[tuple[int, float, str], dict[str, Any]]] = []
     for child in base.iterdir():
         if not child.is_dir() or child.name.endswith(INCOMPLETE):
@@ -259,16 +268,24 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     # fail each time. Files missing or cut short after the commit are found here by size (no
     # hashing: an altered byte is still refused by load_checkpoint), and the newest intact
     # checkpoint before it is returned, with a warning naming what was skipped.
-    for key, manifest in sorted(candidates, key=lambda c: c[0], reverse=True):
+    intact: list[tuple[tuple[int, float, str], str]] = []
+    damaged: list[tuple[tuple[int, float, str], list[str]]] = []
+    for key, manifest in sorted(candidates, key=lambda c: c[0]):
         bad = damaged_files(Path(key[2]), manifest.get("files", {}))
-        if not bad:
-            return key[2]
-        warnings.warn(
-            f"distamp.latest_checkpoint: skipped {key[2]}, committed but damaged since: "
-            f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}",
-            stacklevel=2,
-        )
-    return None
+        if bad:
+            damaged.append((key, bad))
+        else:
+            intact.append((key, key[2]))
+    if warn:  # the damaged ones newer than what latest_checkpoint returns: it skipped them
+        newest = intact[-1][0] if intact else None
+        for key, bad in reversed(damaged):
+            if newest is None or key > newest:
+                warnings.warn(
+                    f"distamp.latest_checkpoint: skipped {key[2]}, committed but damaged since: "
+                    f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''}",
+                    stacklevel=3,
+                )
+    return [(key[0], path) for key, path in intact]
 
 
 @contextlib.contextmanager

@@ -13,6 +13,9 @@ PY=${PYTHON:-python3}
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [[ -z "${NPROC:-}" ]]; then
     NPROC=$(( GPUS > 0 ? GPUS : 2 ))
+elif [[ ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    echo "NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
+    exit 2
 fi
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}

@@ -40,6 +40,8 @@ IFACE=${IFACE:-}
 MAX_RESTARTS=${MAX_RESTARTS:-}
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --nnodes|--node-rank|--rdzv-id|--master|--nproc)
+            [[ $# -ge 2 ]] || { echo "multinode.sh: $1 expects a value" >&2; exit 2; } ;;&
         --nnodes) NNODES=$2; shift 2 ;;
         --node-rank) NODE_RANK=$2; shift 2 ;;
         --rdzv-id) RDZV_ID=$2; shift 2 ;;
@@ -78,7 +80,7 @@ source "$(dirname "$0")/common.sh"
 # may not reach (a second NIC, a container's address).
 MASTER_IP=$MASTER_ADDR
 if [[ ! "$MASTER_ADDR" =~ ^[0-9.]+$ ]]; then
-    MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}')
+    MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}' || true)
     [[ -n "$MASTER_IP" ]] || { echo "multinode.sh: cannot resolve --master $MASTER_ADDR" >&2; exit 2; }
 fi
 IS_MASTER=0
@@ -89,7 +91,7 @@ if command -v ip >/dev/null; then
     fi
     if [[ -z "$IFACE" ]]; then
         IFACE=$(ip -o -4 addr show to "$MASTER_IP/32" | awk '{print $2; exit}')
-        [[ -n "$IFACE" ]] || IFACE=$(ip -o route get "$MASTER_IP" | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+        [[ -n "$IFACE" ]] || IFACE=$(ip -o route get "$MASTER_IP" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' || true)
     fi
     LOCAL_ADDR=$(ip -o -4 addr show dev "$IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
 elif [[ -z "$IFACE" ]]; then

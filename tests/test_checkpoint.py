@@ -405,6 +405,19 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     )
     assert bad.returncode == 1 and "no such checkpoint directory" in bad.stderr
 
+    # A flipped byte keeps the size: --verify hashes it; --json exits 1 on damage too (an audit:
+    # inspect saw only sizes, and --json returned 0 before the damage check).
+    shard = next(directory.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cli = [sys.executable, "-m", "distamp.checkpoint", "inspect", str(directory)]
+    assert subprocess.run(cli, capture_output=True, env=env).returncode == 0  # sizes only
+    flipped = subprocess.run([*cli, "--verify"], capture_output=True, text=True, env=env)
+    assert flipped.returncode == 1 and "contents differ" in flipped.stderr, flipped.stderr
+    as_json = subprocess.run([*cli, "--verify", "--json"], capture_output=True, env=env)
+    assert as_json.returncode == 1
+
 
 def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     model, opt, sched = make("O2")

@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect = sub.add_parser("inspect", help="summarize a checkpoint directory")
     p_inspect.add_argument("directory", type=Path)
     p_inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p_inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="also hash every file against the manifest (without it: sizes only)",
+    )
     p_cons = sub.add_parser(
         "consolidate", help="write one FP32 state dict that a plain, unwrapped model loads"
     )
@@ -32,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
-            info = inspect(args.directory)
+            info = inspect(args.directory, verify=args.verify)
             if args.json:
                 print(json.dumps({k: v for k, v in info.items()}, indent=2, default=str))
-                return 0
+                return 1 if info["damaged"] else 0
             print(f"checkpoint   {info['directory']}")
             print(f"step         {info['step']}")
             print(f"world size   {info['world_size']}")

@@ -102,11 +102,14 @@ def hash_share(directory: Path, rank: int, world: int) -> dict[str, list[Any]]:
     }
 
 
-def damaged_files(directory: Path, files: dict[str, list[Any]]) -> list[str]:
+def damaged_files(
+    directory: Path, files: dict[str, list[Any]], *, hashed: bool = False
+) -> list[str]:
     """The data files of a committed checkpoint that are missing or not the size its manifest
-    records, each as "name (why)": a stat per file, no hashing (:func:`verify_share` hashes)."""
+    records, each as "name (why)": a stat per file, no hashing (:func:`verify_share` hashes);
+    ``hashed``: also every file whose SHA-256 differs from the manifest's (reads them all)."""
     bad = []
-    for name, (size, _) in sorted(files.items()):
+    for name, (size, digest) in sorted(files.items()):
         try:
             found = (directory / name).stat().st_size
         except FileNotFoundError:
@@ -114,6 +117,8 @@ def damaged_files(directory: Path, files: dict[str, list[Any]]) -> list[str]:
             continue
         if found != size:
             bad.append(f"{name} ({found} bytes, expected {size})")
+        elif hashed and sha256_file(directory / name) != digest:
+            bad.append(f"{name} (contents differ from the manifest's SHA-256)")
     return bad
 
 

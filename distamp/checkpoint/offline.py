@@ -144,8 +144,11 @@ def _sharding(props: dict[str, Any], world: int) -> str:
     return f"{what} and optimizer state over {world} ranks"
 
 
-def inspect(directory: PathLike) -> dict[str, Any]:
-    """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints)."""
+def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """A summary of a checkpoint (what ``python -m distamp.checkpoint inspect`` prints).
+
+    ``damaged`` lists data files missing or cut short (a stat each); ``verify`` also hashes every
+    file against the manifest, as ``consolidate`` and ``load_checkpoint`` do."""
     directory = Path(directory)
     manifest = files.read_manifest(directory)
     props = manifest["properties"]
@@ -158,7 +161,7 @@ def inspect(directory: PathLike) -> dict[str, Any]:
             counted.add(canonical)
             params += numel(entry["keys"][key][0])
     sizes = {name: size for name, (size, _) in manifest["files"].items()}
-    damaged = files.damaged_files(directory, manifest["files"])
+    damaged = files.damaged_files(directory, manifest["files"], hashed=verify)
     return {
         "directory": str(directory),
         "step": manifest["step"],

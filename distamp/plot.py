@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,13 @@ def read_run(run_dir: str | Path) -> Run:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: expected the metrics of a training run")
     rows: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
             row = json.loads(line)
             float(row["loss"]), float(row["loss_scale"])
+            if "tokens_per_s" in row:
+                float(row["tokens_per_s"])
+            [int(s) for s in row.get("skipped_steps", [])]
             rows[int(row["step"])] = row
         except (ValueError, KeyError, TypeError):
             continue
@@ -135,8 +139,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             title += f", median {sorted(rate)[len(rate) // 2]:,.0f} tokens/s"
     loss_ax.set_title(title, fontsize=10)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial.png")
-    fig.savefig(partial)
+    partial = target.with_name(target.name + ".partial")
+    # The format from the target's own suffix (the temporary name's made every file a PNG).
+    fig.savefig(partial, format=target.suffix.lstrip(".").lower() or "png")
     partial.replace(target)  # a viewer never sees half a file
     return target
 
@@ -153,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = plot_run(args.run_dir, args.out)
-    except (ImportError, FileNotFoundError) as error:
-        print(f"error: {error}")
+    except (ImportError, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     run = read_run(args.run_dir)
     print(f"{path}: {len(run.steps)} recorded steps, {len(run.skipped_steps)} skipped")

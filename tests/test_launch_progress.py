@@ -165,6 +165,13 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
     assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC
     assert plot.main([str(run_dir), "-o", str(tmp_path / "other.png")]) == 0
     assert (tmp_path / "other.png").read_bytes()[:8] == PNG_MAGIC
+    # The format follows the suffix (an audit: -o loss.svg held PNG bytes)
+    assert plot.main([str(run_dir), "-o", str(tmp_path / "loss.svg")]) == 0
+    assert b"<svg" in (tmp_path / "loss.svg").read_bytes()[:400]
+    # A record with a field that does not parse is left out like a half line
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 7, "loss": 1.0, "loss_scale": 1.0, "tokens_per_s": "x"}) + "\n")
+    assert plot.read_run(run_dir).steps == [1, 2, 3, 4, 5]
 
     # Many records: a running mean is drawn over the raw losses.
     assert plot.running_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
@@ -175,7 +182,7 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
     assert plot.plot_run(long_run).read_bytes()[:8] == PNG_MAGIC
 
     assert plot.main([str(tmp_path / "nothing")]) == 1
-    assert "metrics.jsonl does not exist" in capsys.readouterr().out
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
 def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_first(tmp_path):

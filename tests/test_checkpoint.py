@@ -382,6 +382,13 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
         env=env,
         check=True,
     )
+    into_a_folder = subprocess.run(
+        [sys.executable, "-m", "distamp.checkpoint", "consolidate", str(directory), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert into_a_folder.returncode == 1 and "cannot write OUT.pt" in into_a_folder.stderr
     state = torch.load(target, weights_only=True)
     plain = Net()
     plain.load_state_dict(state)  # strict: every key, every shape

@@ -66,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         state = consolidate(args.directory, model_index=args.model_index)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, args.output)
+        try:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, args.output)
+        except (OSError, RuntimeError) as exc:  # a folder, a path under a file, read-only
+            print(f"error: cannot write OUT.pt {args.output}: {exc}", file=sys.stderr)
+            return 1
         count = sum(v.numel() for v in state.values() if v.is_floating_point())
         print(f"wrote {args.output}: {len(state)} entries, {count:,} FP32 values")
         return 0

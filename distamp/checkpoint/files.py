@@ -172,7 +172,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 f"save over it replaced and did not finish: load {old} "
                 "(distamp.latest_checkpoint(folder) picks it too)"
             )
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+        what = (
+            "a file, not a checkpoint directory"
+            if directory.exists()
+            else "no such checkpoint directory"
+        )
+        raise CheckpointError(f"{directory}: {what}")
     commit = directory / COMMIT
     if not commit.is_file():
         inside = sorted(child.name for child in directory.iterdir() if (child / COMMIT).is_file())
@@ -185,7 +190,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 else "(the save did not finish, or this is not a distamp checkpoint)"
             )
         )
-    lines = commit.read_text().split()
+    lines = commit.read_text(errors="replace").split()
     if lines[:1] == ["distamp.checkpoint/1"]:
         raise CheckpointError(
             f"{commit}: expected format '{FORMAT}', found 'distamp.checkpoint/1': a checkpoint "

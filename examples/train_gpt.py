@@ -297,8 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fail-at-step",
         type=int,
         default=0,
-        help="fault injection: the last rank kills itself (SIGKILL) at this step, on the first "
-        "attempt of a torchrun --max-restarts job only; 0: never",
+        help="fault injection: the last rank kills itself (SIGKILL) at this step, on a job's "
+        "first attempt (TORCHELASTIC_RESTART_COUNT 0: with torchrun --max-restarts the restart "
+        "resumes; without, the job ends there); 0: never",
     )
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
@@ -765,7 +766,21 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
 
+    asked = args.opt_level
     args.opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype, world_size)
+    if args.shard_weights and args.opt_level in ("O2", "O3") and is_main:
+        print(
+            f"note: --shard-weights has nothing to do: --opt-level {asked} picked "
+            f"{args.opt_level}, "
+            + (
+                "which has no FP32 weights"
+                if args.opt_level == "O3"
+                else "whose FP32 masters are sharded across ranks already"
+                if world_size > 1
+                else "whose FP32 masters have one rank to live on"
+            ),
+            flush=True,
+        )
     if args.opt_level == "O3" and (
         args.half_dtype == "fp16" or (args.half_dtype == "auto" and device.type == "cuda")
     ):
@@ -939,7 +954,12 @@ def main() -> None:
         print(
             f"done: {args.steps} steps | final loss {loss_sum.item():.4f} | median step "
             f"{summary['median_step_s'] * 1e3:.1f} ms (mean {summary['mean_step_s'] * 1e3:.1f}, "
-            f"first {WARMUP_STEPS_EXCLUDED} excluded) | {summary['tokens_per_s']:.0f} tok/s | "
+            + (
+                f"first {WARMUP_STEPS_EXCLUDED} excluded"
+                if len(step_times) > len(timed)
+                else "all steps"
+            )
+            + f") | {summary['tokens_per_s']:.0f} tok/s | "
             f"skipped {st.skipped_steps} | loss scale {st.loss_scales[0]:g}",
             flush=True,
         )

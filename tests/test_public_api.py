@@ -39,3 +39,27 @@ def test_all_is_sorted_and_complete():
     assert len(set(distamp.__all__)) == len(distamp.__all__)
     for name in distamp.__all__:
         assert hasattr(distamp, name), name
+
+
+def test_a_wrapped_model_and_optimizer_are_freed_after_del():
+    """An audit: the post-accumulate-grad hooks (kept by torch in C++, out of the garbage
+    collector's sight) held the optimizer's state strongly, so every wrap with an optimizer kept
+    its parameters and FP32 masters alive forever (+32 MB per wrap of a 4M-parameter model)."""
+    import gc
+    import weakref
+
+    import torch
+
+    def one_trial():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        with distamp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        masters = [m for g in opt.param_groups for m in g["params"]]
+        return [weakref.ref(t) for t in [*model.parameters(), *masters]]
+
+    refs = one_trial()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

@@ -183,4 +183,7 @@ def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
         "files": sizes,
         "distamp_version": manifest.get("distamp_version"),
         "torch_version": manifest.get("torch_version"),
+        # save_checkpoint's extra (rank 0's): what a script needs before it can build the
+        # model it loads into (nanoGPT's model_args; an audit had to read the manifest)
+        "extra": manifest.get("extra"),
     }

@@ -16,6 +16,7 @@ optimizer steps. Keeping them scaled makes k micro-batches equal one k-times-lar
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -455,13 +456,20 @@ def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
 
 
 class BackwardSeen:
-    """Post-accumulate-grad hook on each trainable model parameter: a backward reached it."""
+    """Post-accumulate-grad hook on each trainable model parameter: a backward reached it.
+
+    Holds the optimizer's state weakly: torch keeps tensor hooks in C++, where Python's garbage
+    collector cannot see the cycle parameter -> hook -> state -> masters -> parameter, and every
+    wrapped model and optimizer (its FP32 masters too) stayed alive after ``del`` (an audit:
+    +32 MB per wrap of a 4M-parameter model at O2, in a sweep that wraps one per trial)."""
 
     def __init__(self, st: AmpOptimizerState) -> None:
-        self.st = st
+        self.st = weakref.ref(st)
 
     def __call__(self, _: torch.Tensor) -> None:
-        self.st.backward_since_step = True
+        st = self.st()
+        if st is not None:
+            st.backward_since_step = True
 
 
 def watch_backward(st: AmpOptimizerState, params: list[Any]) -> None:

@@ -231,6 +231,12 @@ def _subclass(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any
 def _reduce_generated(self: nn.Module, protocol: Any) -> Any:
     """See [Note: pickling a wrapped model]."""
     made = type(self).__dict__.get("_distamp_made_from")
+    # A gather still in flight (overlap_gather) lands first: the copy (an EMA made right after
+    # step()) must not read half-gathered weights. Found by duck type: masters/gather.py's hook.
+    for hook in list(getattr(self, "_state_dict_pre_hooks", {}).values()):
+        before_copy = getattr(hook, "before_copy", None)
+        if callable(before_copy):
+            before_copy()
     reduced = object.__reduce_ex__(self, protocol)
     if made is None or not isinstance(reduced, tuple):  # a class derived from ours (FSDP's)
         return reduced

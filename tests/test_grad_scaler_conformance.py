@@ -455,3 +455,12 @@ def test_register_reduces_a_sparse_embedding_like_fp32(opt_level):
     # a bf16 wire (and O1's bf16 autocast): within bf16's resolution of the FP32 reference
     for a, b in zip(results[0], reference.parameters(), strict=True):
         torch.testing.assert_close(a, b.detach(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_scaler_without_cuda_disables_itself_like_torchs():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        ours = distamp.GradScaler("cuda")
+    with pytest.warns(UserWarning):
+        theirs = torch.amp.GradScaler("cuda")
+    assert not ours.is_enabled() and not theirs.is_enabled()

@@ -582,3 +582,62 @@ def test_a_ddp_rebuilt_while_the_gather_is_in_flight_gets_the_fresh_weights():
         assert rebuilt[rank][0] == straight[rank][0], rank
         for name, value in straight[rank][1].items():
             assert torch.equal(rebuilt[rank][1][name], value), (rank, name)
+
+
+def _threads_and_copies(rank, world, threads):
+    """O0 sharded weights with 16-bit updates gathered under the next forward: right after each
+    step, ``threads`` threads run an inference forward at once, and a deep copy is taken."""
+    import threading
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model)
+    state = distamp.hooks.register(
+        ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+    )
+    copies_match = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step * 7 + rank)
+        loss = F.mse_loss(ddp(torch.randn(8, 64, generator=gen)), torch.zeros(8, 2))
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        if threads:
+            barrier = threading.Barrier(threads)
+
+            def infer(barrier=barrier):
+                barrier.wait()
+                with torch.no_grad():
+                    model(torch.randn(2, 64))
+
+            workers = [threading.Thread(target=infer) for _ in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(60)
+        ema = copy.deepcopy(model)  # an EMA taken right after step(): the gather lands first
+        state.finish_gather()
+        pairs = zip(ema.parameters(), model.parameters(), strict=True)
+        copies_match.append(all(torch.equal(a, b) for a, b in pairs))
+    return [p.detach().clone() for p in model.parameters()], copies_match
+
+
+def test_overlapped_update_gather_with_inference_threads_and_copies(monkeypatch):
+    """Audits: forwards in several threads right after step() each applied the same gathered
+    round of 16-bit updates (weights moved twice, ranks parted); deepcopy/torch.save of the model
+    failed on the gather's process group, and a copy right after step() read half-gathered
+    weights. Now the waits hold a lock, the copy finishes the gather first and owns none."""
+    monkeypatch.setenv("DISTAMP_TEST_SHARD_BLOCK", "512")
+    alone = run_ranks(_threads_and_copies, 2, 0)
+    threaded = run_ranks(_threads_and_copies, 2, 6)
+    for (weights, copies), (ref, _) in zip(threaded, alone, strict=True):
+        assert copies == [True, True, True]
+        for a, b in zip(weights, ref, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(threaded[0][0], threaded[1][0], strict=True):
+        assert torch.equal(a, b)

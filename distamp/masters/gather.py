@@ -21,6 +21,7 @@ Loaded values (checkpoints, ``load_state_dict``) are always gathered exactly.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,7 @@ class WeightGather:
     pending: list[list[Any]]
     waited: list[int]
     staging: torch.Tensor | None
+    gather_lock: threading.RLock
 
     if TYPE_CHECKING:  # defined by the class this is mixed into
 
@@ -181,22 +183,29 @@ class WeightGather:
 
     def finish_gather(self) -> None:
         """Wait for every all-gather of the last step still in flight."""
-        for g, works in enumerate(self.pending):
-            self.wait_rounds(g, len(works))
-        self.pending, self.waited = [], []
+        with self.gather_lock:
+            for g, works in enumerate(self.pending):
+                self.wait_rounds(g, len(works))
+            self.pending, self.waited = [], []
 
     def wait_rounds(self, g: int, rounds: int) -> None:
-        """Wait for the all-gathers of the first ``rounds`` rounds of group ``g`` (if in flight)."""
-        if g >= len(self.pending):
-            return
-        works = self.pending[g]
-        for j in range(self.waited[g], min(rounds, len(works))):
-            # named for torch.profiler: the forward (or the step) waits for the wire here
-            with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
-                works[j].wait()
-            if self.pending_updates:
-                self._apply_updates(g, j)
-            self.waited[g] = j + 1
+        """Wait for the all-gathers of the first ``rounds`` rounds of group ``g`` (if in flight).
+
+        Under ``gather_lock``: forwards running in several threads (inference in a thread pool
+        right after ``step()``) reached the same round together, each waited and each added
+        the round's 16-bit updates, so the weights moved twice or more and the ranks parted
+        (an audit)."""
+        with self.gather_lock:
+            if g >= len(self.pending):
+                return
+            works = self.pending[g]
+            for j in range(self.waited[g], min(rounds, len(works))):
+                # named for torch.profiler: the forward (or the step) waits for the wire here
+                with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
+                    works[j].wait()
+                if self.pending_updates:
+                    self._apply_updates(g, j)
+                self.waited[g] = j + 1
 
     def _apply_updates(self, g: int, j: int) -> None:
         """Round ``j`` of group ``g``'s updates has arrived: every rank adds the same rounded
@@ -283,21 +292,51 @@ class WeightGather:
 
 
 class _RoundWaiter:
-    """Forward pre-hook: wait for the gathered rounds a module's weights lie in."""
+    """Forward pre-hook: wait for the gathered rounds a module's weights lie in.
 
-    def __init__(self, masters: WeightGather, needed: dict[int, int]) -> None:
+    [Note: the gather hooks in copies and under torch.compile] A deep or pickled copy of the
+    model (an EMA, ``torch.save(model)``) owns no gather: its copy of a hook waits for nothing
+    (copying the gather failed on its process group: "cannot pickle 'ProcessGroup'", an audit).
+    torch.compile runs the hook outside the graph (``torch.compiler.disable``): traced, it was
+    specialized on each round index and recompiled per round until Dynamo's recompile limit;
+    the wait is a graph break either way, so ``fullgraph=True`` does not go with overlap_gather.
+    """
+
+    def __init__(self, masters: WeightGather | None, needed: dict[int, int]) -> None:
         self.masters, self.needed = masters, needed
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"masters": None, "needed": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.masters, self.needed = state["masters"], state["needed"]
+
+    @torch.compiler.disable
     def __call__(self, *_: Any) -> None:
+        if self.masters is None:
+            return
         for g, rounds in self.needed.items():
             self.masters.wait_rounds(g, rounds)
 
 
 class _FinishGather:
-    """state_dict / load_state_dict pre-hook: every gathered weight has arrived."""
+    """state_dict / load_state_dict pre-hook: every gathered weight has arrived (see [Note: the
+    gather hooks in copies and under torch.compile])."""
 
-    def __init__(self, masters: WeightGather) -> None:
+    def __init__(self, masters: WeightGather | None) -> None:
         self.masters = masters
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"masters": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.masters = state["masters"]
+
+    @torch.compiler.disable
     def __call__(self, *_: Any, **__: Any) -> None:
-        self.masters.finish_gather()
+        if self.masters is not None:
+            self.masters.finish_gather()
+
+    def before_copy(self) -> None:
+        """A copy of the model is about to read its weights (see ``casting._reduce_generated``)."""
+        self()

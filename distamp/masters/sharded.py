@@ -37,6 +37,7 @@ moves 1.5x the bytes of a 16-bit all-reduce.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +103,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         """Per group, the all-gather works of the last step not waited for yet, one per round."""
         self.waited: list[int] = []
         """Per group, how many rounds of ``pending`` have been waited for."""
+        self.gather_lock = threading.RLock()
+        """Held while waiting for (and applying) gathered rounds: forwards in several threads
+        wait together (see ``WeightGather.wait_rounds``)."""
         self.staging: torch.Tensor | None = None
         """Bytes shared by the 16-bit updates and the reduce-scatter hook: see [Note: one staging
         buffer for the two halves]."""

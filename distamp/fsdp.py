@@ -45,7 +45,7 @@ from .collectives import (
 from .config import HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
-from .masters.nonfinite import check_and_unscale_, nonfinite_each
+from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .scaler import ScalerGroup, split_loss_scale
 
@@ -101,11 +101,11 @@ class FSDPParams(ModelGrads):
         return check_and_unscale_(grads, 1.0, self._device())
 
     def check_each(self) -> torch.Tensor:
-        """One flag per parameter's local shard gradient, and one for every gradient FSDP
-        holds unreduced (see :meth:`check`)."""
-        local = [None if p.grad is None else _local(p.grad) for p in self.model_params]
-        held = check_and_unscale_(self._unreduced_grads(), 1.0, self._device())
-        return torch.cat([nonfinite_each(local, self._device()), held])
+        """One flag for all (as :meth:`check`), not one per parameter: FSDP moves gradients from
+        its unreduced buffers into the sharded ``.grad`` when it reduces, so a value one block
+        made non-finite would look new in another parameter slot after the next block's reduce
+        (see [Note: which block made a gradient non-finite] in scaler.py)."""
+        return self.check()
 
     def step_grads(self) -> list[torch.Tensor]:
         return self._local_grads()

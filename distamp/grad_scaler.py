@@ -16,7 +16,6 @@ step on unscaled gradients); and the scale grows through :class:`distamp.LossSca
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,14 +58,6 @@ class GradScaler:
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
         self._device = device
         self._enabled = bool(enabled)
-        if self._enabled and str(device).startswith("cuda") and not torch.cuda.is_available():
-            # torch's GradScaler("cuda") does the same on a machine without CUDA
-            warnings.warn(
-                "distamp.GradScaler is enabled, but CUDA is not available: disabling "
-                "(as torch.amp.GradScaler('cuda') does); pass device='cpu' to scale on CPU",
-                stacklevel=2,
-            )
-            self._enabled = False
         self._scaler = LossScaler(
             "dynamic",
             init_scale=float(init_scale),

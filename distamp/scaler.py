@@ -406,7 +406,8 @@ class ScalerGroup:
                 # optimizer loss 0 had overflowed already did not back loss 1's scale off, nor
                 # skip the other optimizer loss 1 was passed with). A later block that makes an
                 # already non-finite gradient non-finite again cannot be told apart without a
-                # copy of every gradient per block (apex's stash): it is not flagged.
+                # copy of every gradient per block (apex's stash): it is not flagged. Under FSDP
+                # one flag stands for all (its reduce moves gradients between buffers).
                 each = st.masters.check_each()
                 seen = st.seen_each
                 if seen is None or seen.shape != each.shape:

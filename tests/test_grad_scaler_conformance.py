@@ -457,10 +457,9 @@ def test_register_reduces_a_sparse_embedding_like_fp32(opt_level):
         torch.testing.assert_close(a, b.detach(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
-def test_a_cuda_scaler_without_cuda_disables_itself_like_torchs():
-    with pytest.warns(UserWarning, match="CUDA is not available"):
-        ours = distamp.GradScaler("cuda")
-    with pytest.warns(UserWarning):
-        theirs = torch.amp.GradScaler("cuda")
-    assert not ours.is_enabled() and not theirs.is_enabled()
+def test_the_default_device_scales_wherever_the_gradients_are():
+    """``distamp.GradScaler()`` (torch's default device, "cuda") scales CPU gradients too: the
+    whole migration from ``torch.amp.GradScaler("cuda")`` is the class name, also on CPU
+    machines, where torch's disables itself with a warning."""
+    assert distamp.GradScaler().is_enabled()
+    assert distamp.GradScaler("cuda").is_enabled()

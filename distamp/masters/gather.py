@@ -21,6 +21,7 @@ Loaded values (checkpoints, ``load_state_dict``) are always gathered exactly.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -263,14 +264,20 @@ class WeightGather:
                 last = (start + param.numel() - 1) // (layout.block * self.world)
                 needed[g] = max(needed.get(g, 0), min(last, len(layout.rounds) - 1) + 1)
             if needed:
-                handles.append(sub.register_forward_pre_hook(_RoundWaiter(self, needed)))
+                handles.append(
+                    sub.register_forward_pre_hook(_outside_compile(_RoundWaiter)(self, needed))
+                )
             # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
             own = any(p is not None and id(p) in where for p in sub._parameters.values())
             if sub is not module and (needed or own):
-                handles.append(sub.register_state_dict_pre_hook(_FinishGather(self)))
+                handles.append(
+                    sub.register_state_dict_pre_hook(_outside_compile(_FinishGather)(self))
+                )
         self.watched_groups = len(self.groups)
-        handles.append(module.register_state_dict_pre_hook(_FinishGather(self)))
-        handles.append(module.register_load_state_dict_pre_hook(_FinishGather(self)))
+        handles.append(module.register_state_dict_pre_hook(_outside_compile(_FinishGather)(self)))
+        handles.append(
+            module.register_load_state_dict_pre_hook(_outside_compile(_FinishGather)(self))
+        )
         return handles
 
     def _gather(self, layout: GroupLayout, mine: torch.Tensor, full: torch.Tensor) -> list[Any]:
@@ -297,21 +304,19 @@ class _RoundWaiter:
     [Note: the gather hooks in copies and under torch.compile] A deep or pickled copy of the
     model (an EMA, ``torch.save(model)``) owns no gather: its copy of a hook waits for nothing
     (copying the gather failed on its process group: "cannot pickle 'ProcessGroup'", an audit).
-    torch.compile runs the hook outside the graph (``torch.compiler.disable``): traced, it was
-    specialized on each round index and recompiled per round until Dynamo's recompile limit;
-    the wait is a graph break either way, so ``fullgraph=True`` does not go with overlap_gather.
+    torch.compile runs the hooks outside the graph (``torch.compiler.disable``, applied by
+    :func:`_outside_compile` when the hooks are registered, so that importing distamp does not
+    import Dynamo): traced, the wait was specialized on each round index and recompiled per
+    round until Dynamo's recompile limit; the wait is a graph break either way, so
+    ``fullgraph=True`` does not go with overlap_gather.
     """
 
     def __init__(self, masters: WeightGather | None, needed: dict[int, int]) -> None:
         self.masters, self.needed = masters, needed
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"masters": None, "needed": {}}
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_RoundWaiter, (None, {}))
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.masters, self.needed = state["masters"], state["needed"]
-
-    @torch.compiler.disable
     def __call__(self, *_: Any) -> None:
         if self.masters is None:
             return
@@ -326,13 +331,9 @@ class _FinishGather:
     def __init__(self, masters: WeightGather | None) -> None:
         self.masters = masters
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"masters": None}
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_FinishGather, (None,))
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.masters = state["masters"]
-
-    @torch.compiler.disable
     def __call__(self, *_: Any, **__: Any) -> None:
         if self.masters is not None:
             self.masters.finish_gather()
@@ -340,3 +341,10 @@ class _FinishGather:
     def before_copy(self) -> None:
         """A copy of the model is about to read its weights (see ``casting._reduce_generated``)."""
         self()
+
+
+@functools.cache
+def _outside_compile(cls: type[Any]) -> type[Any]:
+    """``cls`` with its ``__call__`` run outside torch.compile's graph (see [Note: the gather
+    hooks in copies and under torch.compile]); made once per class, on first use."""
+    return type(cls.__name__, (cls,), {"__call__": torch.compiler.disable(cls.__call__)})

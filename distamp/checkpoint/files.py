@@ -138,7 +138,21 @@ def verify_share(directory: Path, files: dict[str, list[Any]], rank: int, world:
         if sha256_file(directory / name) != digest:
             raise CheckpointError(
                 f"{directory / name}: SHA-256 differs from the manifest (the file was altered)"
+                + _another_beside(directory)
             )
+
+
+def _another_beside(directory: Path) -> str:
+    """Where a job that resumes with ``latest_checkpoint`` can go instead: an altered file that
+    kept its size is found only by hashing, so ``latest_checkpoint`` (a stat per file) keeps
+    choosing this one and every restart fails here (an audit)."""
+    others = [path for _, path in list_checkpoints(directory.parent) if Path(path) != directory]
+    if not others:
+        return ""
+    return (
+        f"; another checkpoint beside it: {others[-1]} (the newest by step; move or delete "
+        f"{directory.name} for latest_checkpoint to pick it)"
+    )
 
 
 # -- manifest and commit ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,8 @@ EVIDENCE_SLOTS = 3
 def local_evidence(
     local_flag: torch.Tensor,
     loss_kinds: Sequence[torch.Tensor | None],
-    named_grads: Sequence[tuple[str, torch.Tensor | None]],
+    count: int,
+    named_grads: Callable[[], Sequence[tuple[str, torch.Tensor | None]]],
     rank: int,
     world: int,
 ) -> torch.Tensor:
@@ -63,12 +64,13 @@ def local_evidence(
     cost one or two more all-reduces on every skipped step. Each value here is built so that the
     MAX over the ranks is the answer: ``loss`` is the first non-finite loss (lowest rank, then
     its first block: ``loss_kinds``, 0 finite / 1 inf / 2 NaN per ``scale_loss`` block), ``grad``
-    the first non-finite gradient (lowest position in ``named_grads``, then lowest rank), each
+    the first non-finite gradient (lowest position among the ``count`` that ``named_grads()``
+    lists, then lowest rank), each
     with its kind in the last base-3 digit; ``index`` is the highest first position over the
     ranks, which equals the lowest one exactly when every rank held it. A rank whose own flag is
-    clean reads nothing (one host read of ``local_flag``); float64 keeps the codes exact.
+    clean reads nothing (one host read of ``local_flag``; ``named_grads`` is not even called, so
+    a clean step builds no list); float64 keeps the codes exact.
     """
-    count = len(named_grads)
     evidence = torch.tensor([0.0, 0.0, float(count)], dtype=torch.float64)
     if not float(local_flag.max()) > 0:
         return evidence
@@ -78,7 +80,7 @@ def local_evidence(
         if code:
             evidence[0] = float(((world - 1 - rank) * blocks + (blocks - 1 - j)) * 3 + code)
             break
-    for i, (_, grad) in enumerate(named_grads):
+    for i, (_, grad) in enumerate(named_grads()):
         if grad is None:
             continue
         values = grad._values() if grad.is_sparse else grad
@@ -93,7 +95,8 @@ def local_evidence(
 def read_evidence(
     evidence: Sequence[float],
     loss_ids: Sequence[int],
-    names: Sequence[str],
+    count: int,
+    named_grads: Callable[[], Sequence[tuple[str, torch.Tensor | None]]],
     world: int,
 ) -> NonFiniteReport | None:
     """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing)."""
@@ -112,9 +115,9 @@ def read_evidence(
     if grad_code:
         where, kind = divmod(grad_code, 3)
         index_part, rank_part = divmod(where, world)
-        index = len(names) - index_part
+        index = count - index_part
         return NonFiniteReport(
-            param=names[index],
+            param=named_grads()[index][0],
             rank=world - 1 - rank_part,
             kind="nan" if kind == 2 else "inf",
             on_every_rank=world > 1 and highest == index,

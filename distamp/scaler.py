@@ -472,9 +472,16 @@ class ScalerGroup:
             involved = [st]
             for block in undecided:
                 involved += [u for u in block.users if u not in involved]
-            named = [item for u in involved for item in u.masters.named_grads(self.param_names)]
+            n_params = sum(len(u.masters.model_params) for u in involved)
+
+            def named() -> list[tuple[str, torch.Tensor | None]]:
+                return [i for u in involved for i in u.masters.named_grads(self.param_names)]
+
             loss_kinds = [b.loss_kind for b in undecided]
-            parts.append(local_evidence(slots, loss_kinds, named, self.rank, self.world).to(device))
+            evidence_here = local_evidence(
+                slots, loss_kinds, n_params, named, self.rank, self.world
+            )
+            parts.append(evidence_here.to(device))
             replicas = None
             if self.process_group is not None:
                 replicas = st.masters.replica_fingerprint()
@@ -491,7 +498,7 @@ class ScalerGroup:
                 self._refuse_parted_replicas(st, values[-2], values[-1])
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             st.decision_report = read_evidence(
-                evidence, [b.loss_id for b in undecided], [n for n, _ in named], self.world
+                evidence, [b.loss_id for b in undecided], n_params, named, self.world
             )
             result = [values[i % FLAG_SLOTS] > 0 for i in range(max(1, len(undecided)))]
             if not st.backwards:

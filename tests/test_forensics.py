@@ -73,13 +73,19 @@ def test_an_inf_loss_with_finite_gradients_skips_and_ends_in_the_error():
         assert torch.equal(p, q)  # never stepped
 
 
-def nan_grad_on_rank_1(rank, world, reduce_scatter):
+def _o2_ddp(reduce_scatter):
+    """An O2 mlp under DDP (with distamp's reduce-scatter hook when asked): model, opt, ddp."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
     ddp = DDP(model)
     if reduce_scatter:
         distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    return model, opt, ddp
+
+
+def nan_grad_on_rank_1(rank, world, reduce_scatter):
+    model, opt, ddp = _o2_ddp(reduce_scatter)
     last = list(model.parameters())[-1]
     if rank == 1:
         last.register_hook(lambda g: g * float("nan"))  # before DDP reduces it
@@ -106,12 +112,7 @@ def collectives_per_step(rank, world, reduce_scatter):
     step, with what the skipped steps named; faults on rank 1 only (rank 0 holds no evidence)."""
     import torch.distributed as dist
 
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    ddp = DDP(model)
-    if reduce_scatter:
-        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    model, opt, ddp = _o2_ddp(reduce_scatter)
     last = list(model.parameters())[-1]
     fault = {"grad": False}
     last.register_hook(lambda g: g * float("inf") if fault["grad"] else g)

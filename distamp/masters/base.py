@@ -9,7 +9,7 @@ replicated masters (``replicated.py``), the sharded ones (``sharded.py``) and FS
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -176,6 +176,30 @@ class ModelGrads:
         """A value loaded into ``param`` (``load_state_dict``; ``written``: written in place, see
         [Note: weights written after wrap]) reaches its FP32 master, if any."""
 
+    def own_weight_back(self, param: nn.Parameter, value: torch.Tensor) -> bool:
+        """Is ``value``, loaded into ``param``, this model's own weight coming back after the
+        optimizer restored the masters?
+
+        [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
+        pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters
+        unrounded, or the next step writes the old weights back. But a state dict of this very model
+        holds only the half weights (or apex's FP32 copies of them), and loading it after the optimizer
+        (``optimizer.load_state_dict`` first, which writes the restored masters rounded into the
+        model, then ``model.load_state_dict``) must not round the exact masters just restored. So a
+        load keeps the masters only when the optimizer restored them since the last step and the
+        loaded tensor equals the model's current weight everywhere; any other load replaces the
+        masters of that weight whole and exactly. It used to be decided element by element (a
+        loaded value equal to the master rounded kept the master), and an audit loaded a pretrained
+        checkpoint bf16 represents exactly (a model released in bf16) again after a few small
+        steps: every value those steps had moved by less than half a bf16 step kept its trained
+        master (251 of 256). Whole weights, which every rank holds, also make sharded masters
+        decide alike on every rank.
+        """
+        if not self.restored:
+            return False
+        value = value.detach()
+        return value.shape == param.shape and torch.equal(value.float(), param.detach().float())
+
     def _device(self) -> torch.device:
         for param in self.model_params:
             return param.device
@@ -193,7 +217,7 @@ def merge_loaded(
 ) -> torch.Tensor:
     """The master after ``value`` was loaded into its half parameter (``written``: written in
     place; else loaded by ``load_state_dict``, which already left the model's own weights out:
-    see :func:`own_weight_back`).
+    see ``ModelGrads.own_weight_back``).
 
     [Note: weights written after wrap] The same holds for weights written in place after wrap
     without load_state_dict: a classifier head re-initialized (``nn.init.zeros_``,
@@ -210,28 +234,3 @@ def merge_loaded(
         return value.to(master.dtype)
     own_weight = value == master.to(half).to(value.dtype)
     return torch.where(own_weight, master, value.to(master.dtype))
-
-
-def own_weight_back(masters: Any, param: nn.Parameter, value: torch.Tensor) -> bool:
-    """Is ``value``, loaded into ``param``, this model's own weight coming back after the
-    optimizer restored the masters?
-
-    [Note: loading weights into the masters] Weights loaded into an O2 model after wrap (a
-    pretrained FP32 checkpoint, into the model or any submodule) must reach the FP32 masters
-    unrounded, or the next step writes the old weights back. But a state dict of this very model
-    holds only the half weights (or apex's FP32 copies of them), and loading it after the optimizer
-    (``optimizer.load_state_dict`` first, which writes the restored masters rounded into the
-    model, then ``model.load_state_dict``) must not round the exact masters just restored. So a
-    load keeps the masters only when the optimizer restored them since the last step and the
-    loaded tensor equals the model's current weight everywhere; any other load replaces the
-    masters of that weight whole and exactly. It used to be decided element by element (a
-    loaded value equal to the master rounded kept the master), and an audit loaded a pretrained
-    checkpoint bf16 represents exactly (a model released in bf16) again after a few small
-    steps: every value those steps had moved by less than half a bf16 step kept its trained
-    master (251 of 256). Whole weights, which every rank holds, also make sharded masters
-    decide alike on every rank.
-    """
-    if not getattr(masters, "restored", False):
-        return False
-    value = value.detach()
-    return value.shape == param.shape and torch.equal(value.float(), param.detach().float())

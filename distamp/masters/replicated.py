@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import HALF_DTYPES
-from .base import ModelGrads, merge_loaded, own_weight_back
+from .base import ModelGrads, merge_loaded
 from .clipping import scale_to_max_norm_
 from .nonfinite import check_and_unscale_
 
@@ -127,7 +127,7 @@ class MasterParams(ModelGrads):
         index = self._index().get(id(param))
         if index is None or not self.separate[index]:
             return
-        if not written and own_weight_back(self, param, value):
+        if not written and self.own_weight_back(param, value):
             return
         master = self.masters[index]
         with torch.no_grad():

@@ -47,7 +47,7 @@ from torch import nn
 
 from ..collectives import all_reduce_
 from ..config import HALF_DTYPES
-from .base import ModelGrads, grad_version, merge_loaded, own_weight_back
+from .base import ModelGrads, grad_version, merge_loaded
 from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .gather import WeightGather
 from .layout import BLOCK, GroupLayout, Interval, ParamRange, slice_state
@@ -455,7 +455,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     ) -> None:
         """This rank's piece of a value loaded into ``param``; see [Note: loading weights into
         the masters] and [Note: weights written after wrap]."""
-        if not written and own_weight_back(self, param, value):
+        if not written and self.own_weight_back(param, value):
             return
         flat_value = value.detach().reshape(-1)
         with torch.no_grad():

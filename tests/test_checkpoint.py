@@ -1,5 +1,6 @@
 """Sharded checkpoints: bit-exact resume in new processes, resharding, atomicity, checks, CLI."""
 
+import enum
 import os
 import re
 import shutil
@@ -336,6 +337,57 @@ def test_extra_must_be_plain_data(tmp_path):
     with pytest.raises(CheckpointError, match=r"extra\['hook'\]: expected plain data .* function"):
         distamp.save_checkpoint(tmp_path / "c", model, opt, extra={"hook": lambda: 0})
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.incomplete").exists()
+
+
+class _Phase(enum.IntEnum):
+    WARMUP = 3
+
+
+class _Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
+def test_numpy_scalars_and_subclasses_save_as_the_plain_values_they_stand_for(tmp_path):
+    """``numpy.float64`` is a float, an ``IntEnum`` an int: saved as themselves they were pickled,
+    and ``torch.load(weights_only=True)`` then refused the checkpoint on every resume (an
+    audit: a metric from ``np.mean``, an lr set from a NumPy schedule as BEiT's loop does)."""
+    np = pytest.importorskip("numpy")
+    model, opt, _ = make("O2")
+    batch_x, batch_y = batch(0, 0, 1)
+    with distamp.scale_loss(F.mse_loss(model(batch_x).float(), batch_y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    for group in opt.param_groups:
+        group["lr"] = np.linspace(0.0, 1e-3, 10)[3]  # numpy.float64
+    extra = {
+        "best": np.mean([0.5, 0.7]),
+        "epoch": np.int64(4),
+        "seen": np.float32(0.25),
+        "done": np.bool_(False),
+        "phase": _Phase.WARMUP,
+        "mode": _Mode.TRAIN,
+        _Mode.TRAIN: [np.int32(1)],
+    }
+    distamp.save_checkpoint(tmp_path / "c", model, opt, extra=extra)
+    model2, opt2, _ = make("O2")
+    loaded = distamp.load_checkpoint(tmp_path / "c", model2, opt2)
+    assert loaded == {
+        "best": 0.6,
+        "epoch": 4,
+        "seen": 0.25,
+        "done": False,
+        "phase": 3,
+        "mode": "train",
+        "train": [1],
+    }
+    assert [type(loaded[k]) for k in ("best", "epoch", "done", "phase", "mode")] == [
+        float,
+        int,
+        bool,
+        int,
+        str,
+    ]
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 / 3)
 
 
 # -- consolidate and the CLI ----------------------------------------------------------------------

@@ -362,11 +362,35 @@ def kept_state(
     return tensors, scalars
 
 
+_BUILTIN_SCALARS = (bool, int, float, str)
+
+
+def builtin_scalar(value: Any) -> Any:
+    """``value`` as the exact builtin bool/int/float/str (None stays None), or ``NotImplemented``.
+
+    A subclass (``numpy.float64`` is a float, an ``IntEnum`` an int, a ``str`` Enum a str) or a
+    NumPy scalar (``np.float32(lr)``, ``np.int64(epoch)``) would be pickled as its own class,
+    which ``torch.load(weights_only=True)`` refuses: the checkpoint was saved and then never
+    loaded (an audit: ``extra={"best_acc": np.mean(accs)}``, an lr set from a NumPy schedule as
+    BEiT's and ConvNeXt's loops do). Saved as the builtin value they stand for."""
+    if value is None or type(value) in _BUILTIN_SCALARS:
+        return value
+    for kind in _BUILTIN_SCALARS:  # bool first: it is an int
+        if isinstance(value, kind):
+            return kind.__str__(value) if kind is str else kind(value)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        item = value.item()
+        if type(item) in _BUILTIN_SCALARS:
+            return item
+    return NotImplemented
+
+
 def _plain_scalar(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone().cpu()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+    scalar = builtin_scalar(value)
+    if scalar is not NotImplemented:
+        return scalar
     raise CheckpointError(
         f"optimizer state value of type {type(value).__name__} is not a tensor or a number; "
         "distamp checkpoints hold plain data only"
@@ -391,8 +415,9 @@ def hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def check_plain(value: Any, path: str) -> Any:
     """``value`` if it is plain data (what ``torch.load(weights_only=True)`` loads), else raise
     TypeError naming ``path``. Tensors are detached copies on the CPU."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+    scalar = builtin_scalar(value)
+    if scalar is not NotImplemented:
+        return scalar
     if isinstance(value, torch.Tensor):
         return value.detach().clone().cpu()
     if isinstance(value, torch.dtype):
@@ -403,9 +428,10 @@ def check_plain(value: Any, path: str) -> Any:
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
-            if not isinstance(k, (str, int)):
+            key = builtin_scalar(k) if isinstance(k, (str, int)) else None
+            if type(key) not in (str, int, bool):
                 raise TypeError(f"{path}: expected str or int keys, found {type(k).__name__} {k!r}")
-            out[k] = check_plain(v, f"{path}[{k!r}]")
+            out[key] = check_plain(v, f"{path}[{k!r}]")
         return out
     raise TypeError(
         f"{path}: expected plain data (tensors, numbers, strings, lists, dicts), found "

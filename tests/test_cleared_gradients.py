@@ -168,3 +168,29 @@ def test_a_discard_on_one_rank_only_raises_on_every_rank_instead_of_hanging():
     for message in run_ranks(_discard_on_rank_0_only, 2, timeout=90):
         assert message is not None
         assert "same number of scale_loss blocks" in message and "between 1 and 2" in message
+
+
+def _discard_the_only_block_on_rank_1(rank, world):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    (x, y), _ = _batches(2, 4)
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+        scaled.backward()
+    if rank == 1:
+        opt.zero_grad()  # this rank alone throws its only batch away (a NaN loss, say)
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_rank_that_discards_its_only_block_raises_with_the_others():
+    """That rank found no gradients and raised alone, before the skip decision: the other rank
+    waited in its all-reduce until the group's timeout (an audit). Both raise now, at once."""
+    messages = run_ranks(_discard_the_only_block_on_rank_1, 2, timeout=90)
+    for message in messages:
+        assert message is not None
+        assert "same number of scale_loss blocks" in message and "between 0 and 1" in message

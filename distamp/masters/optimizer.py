@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import required
 
 from ..collectives import check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES
@@ -136,6 +137,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
         if st.state is OptState.READY:
             if no_grads:
+                _decide_with_no_blocks(st)
                 raise RuntimeError(
                     "optimizer.step() was called but no gradients were produced since the last "
                     "step: run backward on the loss inside `with distamp.scale_loss(loss, "
@@ -212,6 +214,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"{st.state.value}); expected it between optimizer.step() and the next backward"
             )
         st.group.check_new_params(params, st)
+        self._refuse_what_torch_refuses(param_group, named=names is not None)
         if st.masters.sharded:
             # The new group is laid out flat in this order: ranks listing the same parameters in
             # another order (a list(set(...)) while unfreezing) would own other elements and
@@ -243,6 +246,33 @@ class AmpOptimizer(torch.optim.Optimizer):
             named = dict(zip(map(id, params), names, strict=True))
             group["param_names"] = slice_names(named) if slice_names else list(names)
         super().add_param_group(group)
+
+    def _refuse_what_torch_refuses(self, param_group: dict[str, Any], *, named: bool) -> None:
+        """torch's ``add_param_group`` runs last, after the masters took the parameters: what it
+        would refuse is refused here first, or a corrected retry found them "already held by
+        this optimizer" (an audit: (name, tensor) pairs into an optimizer built without names)."""
+        named_before = any("param_names" in g for g in self.param_groups)
+        if self.param_groups and named_before != named:
+            have, got = ("with" if named_before else "without"), ("with" if named else "without")
+            raise ValueError(
+                f"optimizer.add_param_group: expected a param group {have} parameter names, as "
+                f"the existing ones are (torch's rule), found one {got}: pass "
+                + (
+                    "named_parameters() pairs"
+                    if named_before
+                    else "the tensors, not (name, tensor) pairs"
+                )
+            )
+        missing = [
+            name
+            for name, value in self.defaults.items()
+            if value is required and name not in param_group
+        ]
+        if missing:
+            raise ValueError(
+                f"optimizer.add_param_group: expected a value of {missing} in the new param group "
+                f"({type(self).__name__} has no default for them), found none"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the *model's* gradients (the param_groups hold the masters) and master grads."""
@@ -496,6 +526,22 @@ def drop_cleared_gradients(st: AmpOptimizerState) -> None:
         return
     st.group.forget(st)
     st.reset()  # releases the masters' and shards' gradients, as zero_grad does
+
+
+def _decide_with_no_blocks(st: AmpOptimizerState) -> None:
+    """A rank about to refuse a step() with no gradients (it ran no scale_loss block, or cleared
+    its only one: a NaN loss discarded) must not raise alone: the ranks that have gradients wait
+    in the skip decision's all-reduce until the group's timeout (an audit: 30 minutes, then a
+    gloo error). It takes part with no blocks, so that the counts differ and every rank raises
+    together, naming them (see [Note: a fixed-size decision vector] in scaler.py); when no rank
+    has gradients, every rank goes on to the same refusal."""
+    if st.group.world == 1:
+        return
+    st.grad_scale = 1.0
+    try:
+        st.group.unscale_and_decide(st)
+    finally:
+        st.reset()
 
 
 def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:

@@ -539,7 +539,8 @@ class ScalerGroup:
             "model.parameters() after distamp.unscale_(optimizer), or wrap with "
             "shard_master_weights=False; or hyperparameters that differ between ranks (lr, "
             "betas, weight_decay: a scheduler such as ReduceLROnPlateau stepped with each "
-            "rank's own loss) — step it with a value every rank agrees on (an all-reduced loss)"
+            "rank's own loss) — step it with a value every rank agrees on (an all-reduced loss); "
+            "or a DDP built over another process group than distamp.wrap's process_group"
         )
 
     def _block_flag(

@@ -94,3 +94,25 @@ def test_two_strided_data_parallel_groups_train_skip_and_checkpoint_apart(
     for a, b in ((0, 2), (1, 3)):
         for p, q in zip(results[a][1], results[b][1], strict=True):
             assert torch.equal(p, q), (a, b)
+
+
+def _ddp_over_own_subgroup(rank, world):
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    model = mlp(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)  # sharded over WORLD
+    ddp = DDP(model, process_group=own)
+    try:
+        distamp.hooks.register(ddp, opt)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_register_refuses_a_ddp_that_reduces_over_fewer_ranks_than_the_shards():
+    """wrap over the default group (masters sharded over both ranks), DDP over per-rank groups:
+    each rank stepped its shard with its own unreduced gradients and the gather stitched the
+    shards together — identical ranks, wrong training, no word (an audit)."""
+    for rank, message in enumerate(run_ranks(_ddp_over_own_subgroup, 2, timeout=90)):
+        assert message is not None
+        assert "sharded over (ranks [0, 1]" in message and f"holding ranks [{rank}]" in message

@@ -96,6 +96,17 @@ def register(
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
     sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1
+    if sharded and not set(_ranks(sharded_over)) <= set(_ranks(group)):
+        # An audit: wrap over the default group, DDP over per-rank subgroups. Each rank stepped
+        # its shard with its own unreduced gradients and the gather stitched the shards
+        # together: the ranks stayed identical, the training was wrong, nothing said so.
+        raise ValueError(
+            "distamp.hooks.register: expected the DDP model to reduce gradients over every rank "
+            f"the FP32 masters are sharded over (ranks {_ranks(sharded_over)}, distamp.wrap's "
+            f"process_group), found DDP's process group holding ranks {_ranks(group)}: each "
+            "rank would step its shard with gradients the others never saw. Pass the same "
+            "group to distamp.wrap(..., process_group=...) and to DistributedDataParallel"
+        )
     if overlap_gather and not reduce_scatter:
         raise ValueError(
             "distamp.hooks.register(overlap_gather=True): expected reduce_scatter=True as well "
@@ -180,6 +191,11 @@ def _check_gather_dtype(dtype: torch.dtype, masters: object, opt_level: str) -> 
             f"torch.float32 (exact weights), got {dtype!r}: an fp16 update of a weight would "
             "lose its small values (below 6e-5 fp16 has fewer mantissa bits)"
         )
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (None: the default group)."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:

@@ -66,7 +66,11 @@ class Properties:
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(f"{name}: expected None or one of {_FLOAT_DTYPES}, got {value!r}")
-        if not isinstance(self.num_losses, int) or self.num_losses < 1:
+        if (
+            isinstance(self.num_losses, bool)
+            or not isinstance(self.num_losses, int)
+            or self.num_losses < 1
+        ):
             raise ValueError(f"num_losses: expected an int >= 1, got {self.num_losses!r}")
         if not isinstance(self.verbosity, int) or self.verbosity < 0:
             raise ValueError(f"verbosity: expected an int >= 0, got {self.verbosity!r}")
@@ -202,7 +206,7 @@ def parse_loss_scale(loss_scale: object) -> LossScale:
     return value
 
 
-def _parse_bool(name: str, value: object) -> bool | None:
+def parse_bool(name: str, value: object) -> bool | None:
     """apex accepted "True"/"False" strings for its boolean properties; so do we."""
     if value is None or isinstance(value, bool):
         return value
@@ -248,10 +252,10 @@ def resolve_properties(
     explicit_masters = master_weights
     if cast_model_type is False:  # apex: False means "do not cast the model"
         cast_model_type = torch.float32
-    patch_torch_functions = _parse_bool("patch_torch_functions", patch_torch_functions)
-    keep_batchnorm_fp32 = _parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
-    master_weights = _parse_bool("master_weights", master_weights)
-    shard_master_weights = _parse_bool("shard_master_weights", shard_master_weights)
+    patch_torch_functions = parse_bool("patch_torch_functions", patch_torch_functions)
+    keep_batchnorm_fp32 = parse_bool("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    master_weights = parse_bool("master_weights", master_weights)
+    shard_master_weights = parse_bool("shard_master_weights", shard_master_weights)
 
     if cast_model_type is not None and cast_model_type not in _FLOAT_DTYPES:
         raise ValueError(
@@ -312,7 +316,7 @@ def resolve_properties(
         chosen["cast_model_type"] = None  # FP32 models are left as they are
     model_is_cast = chosen["cast_model_type"] in HALF_DTYPES
     if chosen["master_weights"] and not model_is_cast:
-        if _parse_bool("master_weights", explicit_masters):
+        if parse_bool("master_weights", explicit_masters):
             warnings.warn(
                 f"master_weights=True is ignored with opt_level {level} and the model not cast: "
                 "its weights stay FP32, so they are their own master copy",

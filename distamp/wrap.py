@@ -32,6 +32,7 @@ from .config import (
     Properties,
     check_opt_level,
     disabled_properties,
+    parse_bool,
     resolve_properties,
 )
 from .forensics import NonFiniteReport
@@ -113,7 +114,16 @@ def wrap(
     given, opts_listed = ([], False) if optimizers is None else as_optimizer_list(optimizers)
     opt_list = [o for o in map(inner_optimizer, given) if o is not None]
     device_type = casting.device_type_of(model_list[0]) if model_list else "cpu"
-    group = process_group
+    # apex's scripts pass flags as strings ("False" from a config file): read ``enabled`` as the
+    # properties' booleans are read, never by truthiness ("False" turned mixed precision on).
+    if isinstance(enabled, int) and not isinstance(enabled, bool) and enabled in (0, 1):
+        enabled = bool(enabled)  # enabled=int(os.environ["AMP"])
+    elif enabled not in (True, False, "True", "true", "False", "false"):
+        raise ValueError(
+            f"distamp.wrap: enabled: expected True or False (or the strings), got {enabled!r}"
+        )
+    enabled = parse_bool("enabled", enabled) is True
+    group = _check_process_group(process_group)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     world_size = dist.get_world_size(group) if group is not None else 1
@@ -216,6 +226,28 @@ def wrap(
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _check_process_group(group: object) -> dist.ProcessGroup | None:
+    """``process_group``: None or a group this rank belongs to (torch's own errors named neither)."""
+    if group is None:
+        return None
+    ranks = ""
+    if isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0:
+        ranks = f" (ranks {dist.get_process_group_ranks(group)})"
+    if ranks or group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"distamp.wrap: process_group: rank {dist.get_rank()} is not a member of the given "
+            f"group{ranks}; expected a group holding this rank (dist.new_group returns a "
+            "placeholder on the ranks outside it: wrap only on the group's ranks)"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "distamp.wrap: process_group: expected a torch.distributed ProcessGroup (from "
+            f"dist.new_group) or None for the default group, got {type(group).__name__} "
+            f"{group!r}"
+        )
+    return group
 
 
 def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) -> Properties:
@@ -631,7 +663,29 @@ def scale_loss(
                 "since the last step(); expected step() before the next backward"
             )
     scale = group.prepare_backward(loss_id, states)
-    yield loss.float() * scale
+    scaled = loss.float() * scale
+    watch = scaled.requires_grad and scale != 1.0 and all(st.watches_backward for st in states)
+    through_scaled: list[bool] = []
+    if watch:
+        scaled.register_hook(lambda _: through_scaled.append(True))
+    before = [st.backward_since_step for st in states]
+    for st in states:
+        st.backward_since_step = False
+    yield scaled
+    reached = any(st.backward_since_step for st in states)
+    for st, seen in zip(states, before, strict=True):
+        st.backward_since_step = st.backward_since_step or seen
+    if watch and reached and not through_scaled:
+        # An apex user's slip: ``loss.backward()`` inside the block. Its gradients are not
+        # scaled, and step() divides them by the scale: updates 2**16 times too small, silently.
+        warnings.warn(
+            "scale_loss: a backward inside the block reached the model's parameters, but not "
+            "through the scaled loss it yielded; expected `with distamp.scale_loss(loss, "
+            "optimizer) as scaled_loss: scaled_loss.backward()`. A backward on `loss` itself "
+            f"gives gradients that step() divides by the loss scale ({scale:g}): updates that "
+            "much too small",
+            stacklevel=3,
+        )
     group.finish_backward(loss_id, states, scale, loss)
 
 
@@ -677,6 +731,14 @@ def clip_grad_norm_(
         ]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     (st,) = states
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float, torch.Tensor))
+        or not float(max_norm) >= 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm_: max_norm: expected a non-negative number, got {max_norm!r}"
+        )
     drop_cleared_gradients(st)
     if st.state is OptState.SCALED:
         st.group.unscale_and_decide(st)

@@ -3,6 +3,7 @@ leaves the model and the optimizer exactly as they were (nothing lost)."""
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -122,6 +123,22 @@ def _other_shape_checkpoint(tmp):
 def _O1_checkpoint(tmp):
     model, opt = wrapped(opt_level="O1")
     return _save(tmp, model, opt)
+
+
+def _with_backward(made):
+    model, opt = made
+    backward(model, opt)
+    return model, opt
+
+
+def _frozen_last_layer():
+    """O2, the last layer frozen and left out of the optimizer (progressive unfreezing)."""
+    model = net()
+    model[2].requires_grad_(False)
+    opt = torch.optim.SGD([*model[0].parameters(), *model[1].parameters()], lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    model[2].requires_grad_(True)
+    return model, opt
 
 
 def _half(model, opt):
@@ -412,6 +429,41 @@ MATRIX = [
         CheckpointError,
         r"got None \(latest_checkpoint\(root\) returns None",
     ),
+    (
+        "wrap with enabled given as a word other than True/False",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2", enabled="no"),
+        ValueError,
+        r"enabled: expected True or False.*got 'no'",
+    ),
+    (
+        "wrap with a process_group that is not a ProcessGroup",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2", process_group="world"),
+        TypeError,
+        r"process_group: expected a torch\.distributed ProcessGroup.*got str 'world'",
+    ),
+    (
+        "wrap with num_losses=True",
+        plain,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2", num_losses=True),
+        ValueError,
+        r"num_losses: expected an int >= 1, got True",
+    ),
+    (
+        "clip_grad_norm_ with max_norm as a string",
+        lambda: _with_backward(stepped()),
+        lambda m, o, t: distamp.clip_grad_norm_(o, "1"),
+        ValueError,
+        r"max_norm: expected a non-negative number, got '1'",
+    ),
+    (
+        "add_param_group with (name, tensor) pairs into an optimizer without names",
+        lambda: _frozen_last_layer(),
+        lambda m, o, t: o.add_param_group({"params": [("2.weight", m[2].weight)]}),
+        ValueError,
+        r"expected a param group without parameter names.*found one with",
+    ),
     # -- FSDP
     (
         "fsdp.fully_shard without a process group",
@@ -467,3 +519,44 @@ def test_scale_loss_after_unscale_is_refused_and_loses_nothing():
     with pytest.raises(RuntimeError, match=r"unscale_\(\) .* was already called"):
         backward(model, opt)
     same(snapshot(model, opt), before, "scale_loss after unscale_")
+
+
+def test_a_refused_add_param_group_can_be_retried():
+    """torch's own add_param_group runs after distamp's masters took the parameters: a group it
+    refused left them "already held", and the corrected retry was refused too (an audit)."""
+    model, opt = _frozen_last_layer()
+    with pytest.raises(ValueError, match="without parameter names"):
+        opt.add_param_group({"params": [("2.weight", model[2].weight)]})
+    with pytest.warns(UserWarning, match="start from their half weights"):
+        opt.add_param_group({"params": [model[2].weight, model[2].bias]})
+    before = model[2].weight.detach().clone()
+    backward(model, opt)
+    opt.step()
+    assert not torch.equal(model[2].weight, before)  # the retried group trains
+
+
+def test_wrap_enabled_reads_flags_as_apex_configs_write_them():
+    """``enabled="False"`` (a flag read from a config file) used to turn mixed precision on."""
+    for off in (False, "False", "false", 0):
+        model, opt = plain()
+        out_model, _ = distamp.wrap(model, opt, opt_level="O2", enabled=off)
+        assert out_model[0].weight.dtype == torch.float32, off
+    model, opt = plain()
+    out_model, _ = distamp.wrap(model, opt, opt_level="O2", enabled="True", verbosity=0)
+    assert out_model[0].weight.dtype == torch.bfloat16
+
+
+def test_backward_on_the_unscaled_loss_inside_scale_loss_warns():
+    """apex users' slip: ``loss.backward()`` inside the block; step() then divides unscaled
+    gradients by the loss scale (updates 65536x too small), silently until now."""
+    model, opt = wrapped(opt_level="O1")
+    x = torch.randn(3, 4)
+    loss = model(x).float().pow(2).mean()
+    with pytest.warns(UserWarning, match="not through the scaled loss"):
+        with distamp.scale_loss(loss, opt):
+            loss.backward()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right way warns nothing
+        with distamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            (scaled / 2).backward()

@@ -691,3 +691,27 @@ def test_a_failed_read_raises_checkpoint_error_and_changes_nothing(tmp_path, mon
     with pytest.raises(CheckpointError, match=r"reading the shards failed: rank 0: OSError"):
         distamp.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_checkpoint_of_other_kept_fp32_modules_is_refused_naming_the_parameter(tmp_path):
+    """Same parameters, another form (an FP32 master in the checkpoint, kept FP32 here): the
+    error said only "other parameters", naming none (an audit)."""
+
+    def build(**kwargs):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return distamp.wrap(model, opt, opt_level="O2", verbosity=0, **kwargs)
+
+    model, opt = build()
+    with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(tmp_path / "c", model, opt)
+    other, other_opt = build(keep_fp32_modules=["0"])
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(
+        CheckpointError, match=r"parameter '0\.weight' is with FP32 masters in the "
+    ):
+        distamp.load_checkpoint(tmp_path / "c", other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))

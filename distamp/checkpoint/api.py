@@ -516,10 +516,12 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
                     "; expected the same data-parallel kind on both sides (or use `python -m "
                     "distamp.checkpoint consolidate` to get plain FP32 weights)"
                 )
-            if mine_flat != theirs_flat or saved_group["kept"] != [n for n, _ in gv.kept]:
+            mine_kept = [n for n, _ in gv.kept]
+            if mine_flat != theirs_flat or saved_group["kept"] != mine_kept:
                 raise CheckpointError(
                     f"optimizers[{o}].param_groups[{g}] holds other parameters than in the "
-                    "checkpoint; expected the same parameters in the same order"
+                    "checkpoint; expected the same parameters in the same order: "
+                    + _group_difference(mine_flat, theirs_flat, mine_kept, saved_group["kept"])
                 )
     if len(manifest["scalers"]) != (
         len(target.scaler_group.scalers) if target.scaler_group is not None else 0
@@ -527,6 +529,40 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         raise CheckpointError(
             f"expected {len(manifest['scalers'])} loss scaler(s) (num_losses) as saved"
         )
+
+
+def _group_difference(
+    mine_flat: tuple[list[str], Any] | None,
+    theirs_flat: tuple[list[str], Any] | None,
+    mine_kept: list[str],
+    theirs_kept: list[str],
+) -> str:
+    """The first difference between a param group here and in the checkpoint, in words."""
+    flat = {
+        "here": mine_flat[0] if mine_flat else [],
+        "saved": theirs_flat[0] if theirs_flat else [],
+    }
+    kept = {"here": mine_kept, "saved": theirs_kept}
+    where = {
+        side: {
+            **dict.fromkeys(flat[side], "with FP32 masters"),
+            **dict.fromkeys(kept[side], "stepped whole (kept FP32 or not cast)"),
+        }
+        for side in ("here", "saved")
+    }
+    for name in [*where["saved"], *where["here"]]:
+        saved, here = where["saved"].get(name), where["here"].get(name)
+        if saved != here:
+            return (
+                f"parameter {name!r} is {saved or 'absent'} in the checkpoint and "
+                f"{here or 'absent'} here (other keep_fp32_modules, keep_batchnorm_fp32 or "
+                "parameters than when it was saved?)"
+            )
+    if flat["here"] != flat["saved"]:
+        return f"the parameters with FP32 masters come in another order: {flat['saved'][:4]} saved, {flat['here'][:4]} here"
+    if kept["here"] != kept["saved"]:
+        return f"the parameters stepped whole come in another order: {kept['saved'][:4]} saved, {kept['here'][:4]} here"
+    return f"the shapes differ: {theirs_flat[1] if theirs_flat else None} saved, {mine_flat[1] if mine_flat else None} here"
 
 
 def _converted(saved_group: dict[str, Any], gv: GroupView, view: OptimizerView) -> str | None:

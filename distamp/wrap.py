@@ -114,15 +114,7 @@ def wrap(
     given, opts_listed = ([], False) if optimizers is None else as_optimizer_list(optimizers)
     opt_list = [o for o in map(inner_optimizer, given) if o is not None]
     device_type = casting.device_type_of(model_list[0]) if model_list else "cpu"
-    # apex's scripts pass flags as strings ("False" from a config file): read ``enabled`` as the
-    # properties' booleans are read, never by truthiness ("False" turned mixed precision on).
-    if isinstance(enabled, int) and not isinstance(enabled, bool) and enabled in (0, 1):
-        enabled = bool(enabled)  # enabled=int(os.environ["AMP"])
-    elif enabled not in (True, False, "True", "true", "False", "false"):
-        raise ValueError(
-            f"distamp.wrap: enabled: expected True or False (or the strings), got {enabled!r}"
-        )
-    enabled = parse_bool("enabled", enabled) is True
+    enabled = _enabled_flag(enabled)
     group = _check_process_group(process_group)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
@@ -226,6 +218,16 @@ def wrap(
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _enabled_flag(value: object) -> bool:
+    """``enabled`` read as the properties' flags are (apex's configs write "False"), never by
+    truthiness: ``enabled="False"`` turned mixed precision on (an audit)."""
+    if type(value) is int and value in (0, 1):
+        return bool(value)  # enabled=int(os.environ["AMP"])
+    if value is None or value not in (True, False, "True", "true", "False", "false"):
+        raise ValueError(f"distamp.wrap: enabled: expected True or False, got {value!r}")
+    return parse_bool("enabled", value) is True
 
 
 def _check_process_group(group: object) -> dist.ProcessGroup | None:

@@ -558,11 +558,14 @@ def _group_difference(
                 f"{here or 'absent'} here (other keep_fp32_modules, keep_batchnorm_fp32 or "
                 "parameters than when it was saved?)"
             )
-    if flat["here"] != flat["saved"]:
-        return f"the parameters with FP32 masters come in another order: {flat['saved'][:4]} saved, {flat['here'][:4]} here"
-    if kept["here"] != kept["saved"]:
-        return f"the parameters stepped whole come in another order: {kept['saved'][:4]} saved, {kept['here'][:4]} here"
-    return f"the shapes differ: {theirs_flat[1] if theirs_flat else None} saved, {mine_flat[1] if mine_flat else None} here"
+    for what, names in (("with FP32 masters", flat), ("stepped whole", kept)):
+        if names["here"] != names["saved"]:
+            return (
+                f"the parameters {what} come in another order: {names['saved'][:4]} saved, "
+                f"{names['here'][:4]} here"
+            )
+    shapes = [side[1] if side else None for side in (theirs_flat, mine_flat)]
+    return f"the shapes differ: {shapes[0]} saved, {shapes[1]} here"
 
 
 def _converted(saved_group: dict[str, Any], gv: GroupView, view: OptimizerView) -> str | None:

@@ -8,7 +8,9 @@ import itertools
 
 import pytest
 import torch
+from dist_harness import run_ranks
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
 
@@ -204,3 +206,43 @@ def test_an_optimizer_skips_when_its_loss_overflowed_in_another_optimizers_param
     assert distamp.stats(o0).last_step_skipped and distamp.stats(o1).last_step_skipped
     assert torch.equal(b.weight, before)
     assert distamp.stats(o1).loss_scales[-1] == 2.0**15  # loss 1 backed off from 2**16
+
+
+def _overflow_in_loss_0_on_rank_1(rank, world, reduce_scatter):
+    torch.manual_seed(0)
+    a, b = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)), nn.Linear(8, 1)
+    o_a, o_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    (a, b), (o_a, o_b) = distamp.wrap([a, b], [o_a, o_b], opt_level="O2", num_losses=2, verbosity=0)
+    d_a, d_b = DDP(a), DDP(b)
+    distamp.hooks.register(d_a, o_a, reduce_scatter=reduce_scatter)
+    distamp.hooks.register(d_b, o_b, reduce_scatter=reduce_scatter)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    hidden = d_a(x).float()
+    if rank == 1:  # a gradient overflow in loss 0's backward, on one rank only
+        hidden.register_hook(lambda g: g * float("inf"))
+    with distamp.scale_loss(hidden.pow(2).mean(), o_a, loss_id=0) as scaled:
+        scaled.backward()
+    with distamp.scale_loss(d_b(d_a(x)).float().mean(), [o_a, o_b], loss_id=1) as scaled:
+        scaled.backward()
+    before = b.weight.detach().clone()
+    o_a.step()
+    o_b.step()
+    moved = not torch.equal(before, b.weight)
+    return (
+        distamp.stats(o_a).last_step_skipped,
+        distamp.stats(o_b).last_step_skipped,
+        moved,
+        (distamp.stats(o_a).loss_scales),
+    )
+
+
+@pytest.mark.xdist_group("multirank")
+@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["all-reduce", "reduce-scatter"])
+def test_only_the_overflowed_loss_backs_off_with_either_hook_and_an_inf_on_one_rank(
+    reduce_scatter,
+):
+    """With the reduce-scatter hook a rank's model .grad keeps its own gradient, the reduced sum
+    lives in its FP32 shard: rank 0 first saw rank 1's inf at step(), and blamed every block of
+    the step — loss 1 backed off and optimizer B (whose losses were finite) skipped (an audit)."""
+    for rank, result in enumerate(run_ranks(_overflow_in_loss_0_on_rank_1, 2, reduce_scatter)):
+        assert result == (True, False, True, (2.0**15, 2.0**16)), (rank, result)

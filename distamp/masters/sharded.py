@@ -219,6 +219,30 @@ class ShardedMasterParams(WeightGather, ModelGrads):
 
     # -- what the step needs ---------------------------------------------------------------------
 
+    def check_each(self) -> torch.Tensor:
+        """One 0/1 flag per model parameter: does its gradient hold inf/NaN? With the
+        reduce-scatter hook a reduced parameter's model ``.grad`` keeps this rank's own gradient
+        and the reduced sum lives in the FP32 shard gradient: non-finite values another rank
+        contributed show only there, so they are read too (else the per-block attribution of
+        several losses sees them first at step() and blames every block of the step)."""
+        each = super().check_each()
+        if not self.reduced:
+            return each
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for g, layout in enumerate(self.groups):
+            flat_grad = self.shard_grads[g]
+            if flat_grad is None:
+                continue
+            for index, _src, count, dst in layout.pieces:
+                if id(layout.params[index]) in self.reduced:
+                    key = id(layout.params[index])
+                    pieces.setdefault(key, []).append(flat_grad[dst : dst + count])
+        for i, param in enumerate(self.model_params):
+            if id(param) in pieces:
+                found = nonfinite_flag(pieces[id(param)], self._device())[0]
+                each[i] = torch.maximum(each[i], found)
+        return each
+
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
         """Fill this rank's FP32 shard grads from the model grads, unscaled; flag non-finite ones.
 

@@ -104,7 +104,10 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            return outputs * self._scaler.scale
+            # torch multiplies by its 0-dim FP32 scale tensor: a 0-dim half loss is promoted to
+            # FP32 (a Python float would keep it half, and an FP16 loss * 2**16 overflows)
+            scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=outputs.device)
+            return outputs * scale
         if isinstance(outputs, dict):
             return {k: self.scale(v) for k, v in outputs.items()}
         if isinstance(outputs, (list, tuple)):
@@ -283,10 +286,15 @@ def _refuse_master_weights(optimizer: torch.optim.Optimizer) -> None:
     every rank alike (wrap made every rank's optimizer the same), before any collective."""
     inner = inner_optimizer(optimizer)
     st = getattr(inner, "_distamp", None)
-    if st is not None and st.group.props.master_weights:
+    if st is not None and (st.group.props.master_weights or st.masters.sharded):
+        held = (
+            "this rank's shard of the FP32 weights (shard_master_weights=True)"
+            if st.masters.sharded and not st.group.props.master_weights
+            else "FP32 master weights"
+        )
         raise RuntimeError(
             f"GradScaler: this optimizer was wrapped by distamp.wrap (opt_level "
-            f"{st.group.props.opt_level}): its param_groups hold FP32 master weights, which get "
+            f"{st.group.props.opt_level}): its param_groups hold {held}, which get "
             "their gradients inside optimizer.step(), and distamp scales its losses itself. "
             "Expected `with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
             "`optimizer.step()` in place of the GradScaler calls (or GradScaler with an unwrapped "

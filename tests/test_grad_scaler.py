@@ -135,3 +135,35 @@ def test_a_wrapped_o2_optimizer_with_a_grad_scaler_says_what_to_write(level):
         with pytest.warns(UserWarning, match="without distamp.scale_loss"):
             scaler.step(opt)
         scaler.update()
+
+
+def _grad_scaler_on_sharded_fp32_weights(rank, world):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", shard_master_weights=True, verbosity=0)
+    scaler = distamp.GradScaler()
+    x, y = next(iter(data(1, 4)))
+    scaler.scale(F.mse_loss(DDP(model)(x).float(), y)).backward()
+    try:
+        scaler.unscale_(opt)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_grad_scaler_on_sharded_fp32_weights_says_what_to_write():
+    """O1 with shard_master_weights=True: its param_groups hold this rank's shard slices, which
+    get their gradients in step() — the scaler said "run backward on the scaled loss first"
+    right after that backward (an audit); now the by-name refusal, as for O2's masters."""
+    for message in run_ranks(_grad_scaler_on_sharded_fp32_weights, 2, timeout=90):
+        assert message is not None and "this rank's shard of the FP32 weights" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scale_promotes_a_half_loss_to_fp32_as_torch_does(dtype):
+    """torch multiplies by its 0-dim FP32 scale: a 0-dim FP16 loss of 3 comes out as 196608.0
+    in FP32; a Python float multiplier kept it FP16 (inf)."""
+    loss = torch.tensor(3.0, dtype=dtype)
+    ours = distamp.GradScaler().scale(loss)
+    theirs = torch.amp.GradScaler("cpu").scale(loss)
+    assert ours.dtype == theirs.dtype == torch.float32 and float(ours) == float(theirs) == 196608.0

@@ -26,6 +26,7 @@ import signal
 import statistics
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -419,6 +420,8 @@ def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no group
         return device, None
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        leave_with_the_launcher()
     backend = "nccl" if use_cuda else "gloo"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -440,6 +443,22 @@ def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
         device_id=device if use_cuda else None,
     )
     return device, backend
+
+
+def leave_with_the_launcher(every_s: float = 1.0) -> None:
+    """Exit (SIGTERM to this process) when torchrun's agent is gone. torchrun gives its workers
+    no parent-death signal: an agent SIGKILLed (the OOM killer, a scheduler's kill -9) left both
+    ranks training and saving into --ckpt-dir, and the relaunch's --resume auto raced them for
+    it (an audit). A daemon thread polls the parent's pid: a reparented worker has lost it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        print(f"rank {os.environ.get('RANK', '?')}: torchrun's agent is gone; exiting", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="leave-with-the-launcher", daemon=True).start()
 
 
 def lr_lambda(total_steps: int) -> Callable[[int], float]:

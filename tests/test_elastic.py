@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,3 +59,53 @@ def test_killed_rank_restarts_and_resumes_bit_exactly(tmp_path):
         "step_000004",
         "step_000008",
     ]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and f"\nPPid:\t{pid}\n" in status:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has exited
+
+
+def test_workers_leave_when_torchrun_itself_is_killed(tmp_path):
+    """torchrun's agent SIGKILLed (the OOM killer, kill -9): its workers kept training and
+    saving into --ckpt-dir, racing the relaunch's --resume auto (an audit). They leave now."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(ROOT / "examples" / "train_gpt.py"), *ARGS[:2], "--steps", "100000", *ARGS[4:]]
+    cmd += ["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    agent = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    workers: list[int] = []
+    try:
+        assert agent.stdout is not None
+        for line in agent.stdout:  # the first progress line: the workers train
+            if "step" in line and "loss" in line:
+                break
+        workers = _children(agent.pid)
+        assert len(workers) == 2, workers
+        agent.kill()
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, workers)), "workers outlived their torchrun agent"
+    finally:
+        agent.kill()
+        for pid in filter(_alive, workers):
+            os.kill(pid, 9)

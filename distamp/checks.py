@@ -84,6 +84,17 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                 "deepcopy and pickle keep the wrapping); wrap each model once — to train a copy "
                 "with its own optimizer, copy the FP32 model before wrap and wrap both"
             )
+        if type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            # torch.compile's wrapper sets ``forward`` on the instance, which shadows the
+            # class-level autocast/cast forward wrap gives the model: O1 ran without autocast,
+            # O2 failed in its first forward with a dtype mismatch (an audit).
+            raise ValueError(
+                f"{where} is a torch.compile'd module (OptimizedModule); distamp.wrap must come "
+                "before torch.compile: wrap the plain model and compile the result "
+                "(torch.compile(model) or model.compile() after wrap, before or after DDP)"
+            )
         wrapper = casting.data_parallel_wrapper_name(model)
         if wrapper is not None and ("FSDP" in wrapper or wrapper.startswith("FullySharded")):
             raise ValueError(

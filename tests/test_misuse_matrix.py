@@ -141,6 +141,11 @@ def _frozen_last_layer():
     return model, opt
 
 
+def _compiled():
+    model = torch.compile(net(), backend="eager")
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _half(model, opt):
     return model.half(), opt
 
@@ -463,6 +468,13 @@ MATRIX = [
         lambda m, o, t: o.add_param_group({"params": [("2.weight", m[2].weight)]}),
         ValueError,
         r"expected a param group without parameter names.*found one with",
+    ),
+    (
+        "wrap a torch.compile'd model",
+        _compiled,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O1"),
+        ValueError,
+        r"torch\.compile'd module \(OptimizedModule\); distamp\.wrap must come before",
     ),
     # -- FSDP
     (

@@ -213,6 +213,11 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
+    if buffer.is_sparse and buffer.device.type == "cpu" and wire == torch.float16:
+        # gloo sums sparse tensors with torch's sparse add, which has no FP16 kernel on CPU
+        # ("cadd_sparse" not implemented for 'Half'): reduce the sparse bucket in its own dtype
+        # (gloo's sparse all-reduce gathers the touched rows; compressing them saves little).
+        wire = buffer.dtype
     # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into the pool's stretches: it
     # takes the plain path (an audit: CompressState crashed in backward with aten::as_strided).
     pool = (

@@ -90,3 +90,20 @@ def test_check_names_a_norm_layer_o2_does_not_recognize():
     assert "eps rounds to 0" in flagged[0].why and "keep_fp32_modules=['1']" in flagged[0].fix
     assert not any("looks like" in f.why for f in distamp.doctor.check(model, opt_level="O1"))
     assert "1" in distamp.doctor.kept_fp32(model, keep_fp32_modules=["1"])
+
+
+def test_cli_refuses_a_seconds_budget_that_never_ends_or_makes_no_sense():
+    """--seconds inf never returned; nan and -1 were taken silently (an audit)."""
+    for bad in ("inf", "nan", "-1", "0"):
+        run = subprocess.run(
+            [sys.executable, "-m", "distamp.doctor", "--seconds", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2 and "--seconds: expected" in run.stderr, (bad, run.stderr)
+
+
+def test_compare_matmuls_times_every_dtype_in_interleaved_turns():
+    flops = distamp.doctor.compare_matmuls((torch.float32, torch.bfloat16), 0.2, rounds=2)
+    assert set(flops) == {"float32", "bfloat16"} and all(v > 0 for v in flops.values())

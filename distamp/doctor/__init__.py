@@ -6,6 +6,7 @@ opt_level=...)`` lists findings for one model (:func:`check`).
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -176,6 +177,22 @@ def matmul_gflops(dtype: torch.dtype, seconds: float, device: str = "cpu") -> fl
     return 2 * n**3 / best / 1e9
 
 
+def compare_matmuls(
+    dtypes: tuple[torch.dtype, ...], seconds: float, device: str = "cpu", rounds: int = 4
+) -> dict[str, float]:
+    """:func:`matmul_gflops` of each dtype, in ``rounds`` interleaved turns within about
+    ``seconds``, the best turn of each: load that comes and goes then slows every dtype's worst
+    turns, not one dtype's whole measurement (an audit on a busy machine: three runs, three
+    pieces of advice, each dtype timed in one stretch of its own)."""
+    best = dict.fromkeys((str(dt).removeprefix("torch.") for dt in dtypes), 0.0)
+    per = max(0.005, seconds / (rounds * len(dtypes)))
+    for _ in range(rounds):
+        for dt in dtypes:
+            name = str(dt).removeprefix("torch.")
+            best[name] = max(best[name], matmul_gflops(dt, per, device))
+    return best
+
+
 def reducible_dtypes(backend: str = "gloo") -> dict[str, bool]:
     """Which dtypes an all-reduce on ``backend`` accepts, tried in a one-rank group of its own
     (skipped when a process group already exists: it is not ours to replace)."""
@@ -200,15 +217,12 @@ def reducible_dtypes(backend: str = "gloo") -> dict[str, bool]:
 def machine(seconds: float = 1.0) -> dict[str, Any]:
     """Facts about this machine: versions, backends, devices, measured matmul throughput (the
     CPU's, and the first GPU's where there is one: the device a run trains on)."""
-    per = max(0.01, seconds / 3)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds: expected a positive finite number, got {seconds!r}")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    flops = {str(dt).removeprefix("torch."): matmul_gflops(dt, per) for dt in dtypes}
-    gpu_flops = (
-        {str(dt).removeprefix("torch."): matmul_gflops(dt, per, "cuda:0") for dt in dtypes}
-        if len(devices) > 1
-        else {}
-    )
+    flops = compare_matmuls(dtypes, seconds)
+    gpu_flops = compare_matmuls(dtypes, seconds, "cuda:0") if len(devices) > 1 else {}
     backends = {
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),

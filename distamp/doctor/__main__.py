@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from . import machine
@@ -14,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=1.0, help="time spent measuring matmuls")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= 600):
+        parser.error(f"--seconds: expected a number of seconds in (0, 600], got {args.seconds}")
     facts = machine(args.seconds)
     if args.json:
         print(json.dumps(facts, indent=2))

@@ -201,3 +201,20 @@ def test_the_load_planner_refuses_to_unpickle():
     )
     with pytest.raises(CheckpointError, match=r"non-tensor entry 'x'.*weights_only=False"):
         ckmeta.Planner().load_bytes(item, None)
+
+
+def test_inspect_names_the_dtype_of_weights_stepped_without_masters():
+    """O3 under FSDP shards its bf16 weights (no masters): inspect called them "FP32 weights"
+    (an audit)."""
+    from distamp.checkpoint.offline import _sharding
+
+    o3 = {
+        "shard_master_weights": True,
+        "master_weights": False,
+        "cast_model_type": "torch.bfloat16",
+    }
+    o0 = {"shard_master_weights": True, "master_weights": False, "cast_model_type": None}
+    o2 = {"shard_master_weights": True, "master_weights": True, "cast_model_type": "torch.float16"}
+    assert _sharding(o3, 2) == "bf16 weights and optimizer state over 2 ranks"
+    assert _sharding(o0, 2) == "FP32 weights and optimizer state over 2 ranks"
+    assert _sharding(o2, 2) == "FP32 masters and optimizer state over 2 ranks"

@@ -140,7 +140,11 @@ def _sharding(props: dict[str, Any], world: int) -> str:
     """What the saving run sharded, in words (the checkpoint loads either way)."""
     if not props.get("shard_master_weights") or world == 1:
         return "none (one copy of the optimizer state)"
-    what = "FP32 masters" if props.get("master_weights") else "FP32 weights"
+    if props.get("master_weights"):
+        what = "FP32 masters"
+    else:  # no masters: the weights themselves are stepped (O3's half, O0/O1's FP32)
+        cast = str(props.get("cast_model_type") or "torch.float32")
+        what = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(cast, "FP32") + " weights"
     return f"{what} and optimizer state over {world} ranks"
 
 
@@ -167,7 +171,7 @@ def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
         "step": manifest["step"],
         "world_size": manifest["world_size"],
         "opt_level": props.get("opt_level"),
-        "half_dtype": props.get("cast_model_type") if props.get("master_weights") else None,
+        "half_dtype": None if props.get("opt_level") == "O0" else props.get("half_dtype"),
         "sharding": _sharding(props, manifest["world_size"]),
         "properties": props,
         "parameters": params,

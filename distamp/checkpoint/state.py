@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import disabled_properties
+from ..masters.layout import SCALAR_STATE
 from ..masters.optimizer import AmpOptimizer, AmpOptimizerState
 from ..masters.replicated import MasterParams
 from ..masters.sharded import ShardedMasterParams
@@ -279,9 +280,10 @@ def flat_state(
     tensors_full: dict[str, list[torch.Tensor]] = {}
     scalars_out: dict[str, list[Any]] = {}
     has_state: list[bool | None] = [bool(opt.state.get(m)) for m in flat.masters]
+    wide = elementwise_keys(opt, flat.masters)
     for i, master in enumerate(flat.masters):
         for key, value in opt.state.get(master, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+            if isinstance(value, torch.Tensor) and value.shape == master.shape and key in wide:
                 tensors_full.setdefault(key, [])
             else:
                 scalars_out.setdefault(key, [None] * n)[i] = _plain_scalar(value)
@@ -297,6 +299,32 @@ def flat_state(
             )
         tensors[key] = torch.cat(pieces_full)[lo:hi]
     return tensors, scalars_out, has_state
+
+
+def elementwise_keys(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> set[str]:
+    """The state keys that are element-wise (shaped like their parameter). Decided on the masters
+    with at least one dimension; a key seen only on 0-dim masters is element-wise unless it is
+    one of torch's scalar keys (``step``)."""
+    wide: set[str] = set()
+    narrow: set[str] = set()
+    for master in masters:
+        for key, value in opt.state.get(master, {}).items():
+            if master.dim() == 0:
+                continue
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
+                wide.add(key)
+            else:
+                narrow.add(key)
+    for master in masters:
+        if master.dim() == 0:
+            for key, value in opt.state.get(master, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and key not in narrow
+                    and key not in SCALAR_STATE
+                ):
+                    wide.add(key)
+    return wide
 
 
 def canonical_piece(

@@ -178,6 +178,11 @@ def _check_state_entry(key: str, value: Any, param: nn.Parameter, group: int) ->
     )
 
 
+SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+"""Scalar per-parameter state of torch.optim's classes: what a 0-dim parameter's 0-dim state is
+when it is not element-wise."""
+
+
 def slice_state(
     state: dict[str, Any], param: nn.Parameter, start: int, count: int, group: int
 ) -> dict[str, Any]:
@@ -188,7 +193,11 @@ def slice_state(
     """
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.shape == param.shape
+            and (value.dim() > 0 or key not in SCALAR_STATE)
+        ):  # a 0-dim parameter's element-wise state is 0-dim too: its slice is (1,)
             out[key] = value.detach().reshape(-1)[start : start + count].clone()
         elif isinstance(value, torch.Tensor) and value.numel() == 1:
             out[key] = value.detach().clone()

@@ -482,6 +482,8 @@ class ScalerGroup:
                 slots, loss_kinds, n_params, named, self.rank, self.world
             )
             parts.append(evidence_here.to(device))
+            if self.process_group is not None:  # see [Note: settings that part between ranks]
+                parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
             if self.process_group is not None:
                 replicas = st.masters.replica_fingerprint()
@@ -494,6 +496,9 @@ class ScalerGroup:
             values = vector.tolist()
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
+            if self.process_group is not None:
+                at = FLAG_SLOTS + 2 + EVIDENCE_SLOTS
+                self._refuse_parted_settings(st, values[at], values[at + 1])
             if replicas is not None:
                 self._refuse_parted_replicas(st, values[-2], values[-1])
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
@@ -520,6 +525,29 @@ class ScalerGroup:
             "(clears the gradients after its backward) must have every rank discard it, as the "
             "skip decision is shared: decide the discard from a value all ranks agree on (an "
             "all-reduced loss, distamp.clip_grad_norm_'s global norm)"
+        )
+
+    def _refuse_parted_settings(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:
+        """[Note: settings that part between ranks] DDP keeps the ranks' gradients equal, not
+        their optimizers' settings: a scheduler stepped with each rank's own loss
+        (ReduceLROnPlateau on a local loss) gives each rank its own lr, and the replicas drifted
+        apart silently — or, with sharded masters, each shard was stepped at another lr while
+        the gathered weights stayed equal (an audit). Two more numbers in the decision's
+        all-reduce compare the settings; every rank reads the same result, so all raise."""
+        if high == -neg_low:
+            return
+        opt = st.optimizer()
+        mine = [
+            {k: v for k, v in g.items() if k in ("lr", "betas", "momentum", "weight_decay")}
+            for g in (opt.param_groups if opt is not None else [])
+        ]
+        raise RuntimeError(
+            "optimizer.step(): expected the optimizer's settings (lr, betas, momentum, "
+            "weight_decay, ... of every param group) to be the same on every rank, found them "
+            f"different (this rank, {self.rank}: {mine[:4]}). The usual cause: a scheduler "
+            "stepped with a value of each rank's own (ReduceLROnPlateau on the local loss) — "
+            "step it with a value every rank agrees on (an all-reduced loss); or a setting "
+            "changed on some ranks only"
         )
 
     def _refuse_parted_replicas(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:

@@ -279,6 +279,13 @@ def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) 
                 "gradients only, but sharded masters hand it dense flat slices of this rank's "
                 "shard; expected shard_master_weights=False (or None) with SparseAdam"
             )
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is not None and any(isinstance(o, muon) for o in others):
+            raise ValueError(
+                "distamp.wrap: shard_master_weights=True with Muon, which orthogonalizes each "
+                "2-D weight matrix whole, but sharded masters hand it 1-D flat slices of this "
+                "rank's shard; expected shard_master_weights=False (or None) with Muon"
+            )
         if not isinstance(others[0], torch.optim.Optimizer):
             raise ValueError(
                 f"distamp.wrap: {name} wraps an optimizer and reads per-parameter gradients in "
@@ -556,6 +563,7 @@ def _register_state_hooks(
 def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:
     opt.__class__ = amp_optimizer_class(type(opt))
     opt._distamp = state  # type: ignore[attr-defined]
+    state.optimizer = weakref.ref(opt)
     state.group.optimizers.append(state)
     # An LR scheduler built before wrap stored a wrapper of the *old* class's step on the instance
     # (lr_scheduler.patch_track_step_called); rebuild it around the new class's step.

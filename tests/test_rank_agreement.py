@@ -143,3 +143,38 @@ def test_add_param_group_in_another_order_on_one_rank_is_named():
     for message in run_ranks(_add_group_in_order, 2, {1}, timeout=60):
         assert message is not None and "new param group's parameter order" in message
     assert run_ranks(_add_group_in_order, 2, set(), timeout=60) == [None, None]
+
+
+def _plateau_on_the_local_loss(rank, world, shard):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+        loss = F.mse_loss(ddp(x).float(), y)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            return step, str(err)
+        opt.zero_grad()
+        sched.step(loss.item() if rank == 0 else 10.0 + step)  # rank 1's loss "plateaus"
+    return None
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_settings_that_part_between_ranks_are_refused_on_every_rank(shard):
+    """ReduceLROnPlateau stepped with each rank's own loss gave each rank its own lr: replicated
+    weights drifted apart, sharded ones were stepped at two lrs — silently (an audit)."""
+    results = run_ranks(_plateau_on_the_local_loss, 2, shard, timeout=90)
+    assert results[0] is not None and results[0][0] == results[1][0], results
+    for _, message in results:
+        assert "settings (lr, betas" in message and "to be the same on every rank" in message

@@ -84,6 +84,24 @@ class AmpOptimizerState:
         self.had_grads = False
         """Some model gradient existed when the last scale_loss block ended (see
         :func:`drop_cleared_gradients`)."""
+        self.optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None
+        """The wrapped optimizer (a weak reference, set by wrap)."""
+
+    def hyperparameter_fingerprint(self) -> torch.Tensor:
+        """``[h, -h]``: a hash of every param group's numeric settings (lr, betas, weight_decay,
+        momentum, ...), for the skip decision's MAX all-reduce to compare across ranks (see
+        [Note: settings that part between ranks] in scaler.py)."""
+        opt = self.optimizer()
+        h = 0.0
+        for g, group in enumerate(opt.param_groups if opt is not None else []):
+            values: list[float] = []
+            for key in sorted(k for k in group if k not in ("params", "param_names")):
+                value = group[key]
+                items = value if isinstance(value, (tuple, list)) else (value,)
+                values += [float(v) for v in items if isinstance(v, (bool, int, float))]
+            for i, v in enumerate(values):  # weights from the golden ratio: no two alike
+                h += v * (1.0 + ((g * 97 + i + 1) * 0.6180339887498949) % 1.0)
+        return torch.tensor([h, -h], dtype=torch.float64)
 
     def record_shard_grads(self) -> None:
         """What the shard gradients are right after unscale_ (or distamp's own clipping, which

@@ -141,6 +141,12 @@ def _frozen_last_layer():
     return model, opt
 
 
+def _muon():
+    model = net()
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    return model, torch.optim.Muon(matrices, lr=0.02)
+
+
 def _compiled():
     model = torch.compile(net(), backend="eager")
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
@@ -468,6 +474,13 @@ MATRIX = [
         lambda m, o, t: o.add_param_group({"params": [("2.weight", m[2].weight)]}),
         ValueError,
         r"expected a param group without parameter names.*found one with",
+    ),
+    (
+        "shard_master_weights=True with Muon (whole 2-D matrices)",
+        _muon,
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2", shard_master_weights=True),
+        ValueError,
+        r"shard_master_weights=True with Muon, which orthogonalizes each 2-D weight matrix",
     ),
     (
         "wrap a torch.compile'd model",

@@ -15,6 +15,7 @@ optimizer steps. Keeping them scaled makes k micro-batches equal one k-times-lar
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -98,7 +99,8 @@ class AmpOptimizerState:
             for key in sorted(k for k in group if k not in ("params", "param_names")):
                 value = group[key]
                 items = value if isinstance(value, (tuple, list)) else (value,)
-                values += [float(v) for v in items if isinstance(v, (bool, int, float))]
+                numbers = [float(v) for v in items if isinstance(v, (bool, int, float))]
+                values += [v for v in numbers if math.isfinite(v)]  # a NaN would never compare
             for i, v in enumerate(values):  # weights from the golden ratio: no two alike
                 h += v * (1.0 + ((g * 97 + i + 1) * 0.6180339887498949) % 1.0)
         return torch.tensor([h, -h], dtype=torch.float64)

@@ -8,6 +8,8 @@ afterwards, no refusal at the next ``scale_loss``. Single process and 2 gloo ran
 masters, distamp's reduce-scatter hook).
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,44 +144,23 @@ def test_an_optimizer_whose_parameters_got_no_gradient_this_iteration_steps_as_a
     assert distamp.stats(o_head).skipped_steps == 0
 
 
-def _discard_on_rank_0_only(rank, world):
+def _discard_on_one_rank(rank, world, only_block):
+    """Rank 0 throws a micro-batch away (and still has another), or rank 1 its only batch."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
     ddp = DDP(model)
     (x, y), (x2, y2) = _batches(2, 4)
-    with ddp.no_sync():
+    with ddp.no_sync() if not only_block else contextlib.nullcontext():
         with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
             scaled.backward()
-    if rank == 0:
-        model.zero_grad()  # this rank alone throws the micro-batch away
-    with distamp.scale_loss(F.mse_loss(ddp(x2).float(), y2), opt) as scaled:
-        scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
-def test_a_discard_on_one_rank_only_raises_on_every_rank_instead_of_hanging():
-    """The skip decision's all-reduce carried one flag per block: ranks with different block
-    counts sent vectors of different lengths and gloo hung or aborted (an audit)."""
-    for message in run_ranks(_discard_on_rank_0_only, 2, timeout=90):
-        assert message is not None
-        assert "same number of scale_loss blocks" in message and "between 1 and 2" in message
-
-
-def _discard_the_only_block_on_rank_1(rank, world):
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    ddp = DDP(model)
-    (x, y), _ = _batches(2, 4)
-    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
-        scaled.backward()
-    if rank == 1:
+    if only_block and rank == 1:
         opt.zero_grad()  # this rank alone throws its only batch away (a NaN loss, say)
+    if not only_block:
+        if rank == 0:
+            model.zero_grad()  # this rank alone throws the micro-batch away
+        with distamp.scale_loss(F.mse_loss(ddp(x2).float(), y2), opt) as scaled:
+            scaled.backward()
     try:
         opt.step()
     except RuntimeError as err:
@@ -187,10 +168,14 @@ def _discard_the_only_block_on_rank_1(rank, world):
     return None
 
 
-def test_a_rank_that_discards_its_only_block_raises_with_the_others():
-    """That rank found no gradients and raised alone, before the skip decision: the other rank
-    waited in its all-reduce until the group's timeout (an audit). Both raise now, at once."""
-    messages = run_ranks(_discard_the_only_block_on_rank_1, 2, timeout=90)
-    for message in messages:
+@pytest.mark.parametrize(
+    ("only_block", "counts"), [(False, "between 1 and 2"), (True, "between 0 and 1")]
+)
+def test_a_discard_on_one_rank_only_raises_on_every_rank_instead_of_hanging(only_block, counts):
+    """The skip decision's all-reduce carried one flag per block: ranks with different block
+    counts sent vectors of different lengths and gloo hung or aborted (an audit). A rank that
+    discarded its only block found no gradients and raised alone, before the decision: the
+    other waited in its all-reduce until the group's timeout (an audit). All raise now, at once."""
+    for message in run_ranks(_discard_on_one_rank, 2, only_block, timeout=90):
         assert message is not None
-        assert "same number of scale_loss blocks" in message and "between 0 and 1" in message
+        assert "same number of scale_loss blocks" in message and counts in message

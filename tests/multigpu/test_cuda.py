@@ -180,15 +180,21 @@ def _finish():
     dist.destroy_process_group()
 
 
-def _ddp_worker(rank, world, init_file, out, backend, shard, hook):
+def _ddp_worker(rank, world, init_file, out, backend, shard, hook, opt_level="O2", register=None):
     device = _init(backend, rank, world, init_file)
     model = mlp().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    model, opt = distamp.wrap(
+        model, opt, opt_level=opt_level, shard_master_weights=shard, verbosity=0
+    )
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    state = None
     if hook:
-        distamp.hooks.register(ddp, opt, reduce_scatter=shard and world > 1)
+        register = register or {"reduce_scatter": shard and world > 1}
+        state = distamp.hooks.register(ddp, opt, **register)
     skipped = _train(ddp, opt, data(20, 8 * world), device, rank, world, inject=(5, world - 1))
+    if state is not None and register.get("overlap_gather"):
+        state.finish_gather()  # the last step's weights, gathered before they are read
     torch.save(
         {
             "params": [p.detach().float().cpu() for p in model.parameters()],
@@ -236,6 +242,23 @@ def test_two_gloo_ranks_sharing_one_gpu_skip_together(shard, hook):
     """CUDA tensors through gloo (two ranks, one GPU): the skip decision, the sharded masters'
     gathers and the hooks on device tensors, with an inf on rank 1 only."""
     results = _spawn(_ddp_worker, 2, "gloo", shard, hook)
+    _check_ranks_agree_and_track_reference(results, 2)
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "opt_level,register",
+    [
+        ("O0", {"reduce_scatter": True, "overlap_gather": True}),
+        ("O1", {"reduce_scatter": True, "gather_dtype": torch.bfloat16}),
+        ("O2", {"reduce_scatter": True, "overlap_gather": True}),
+    ],
+    ids=["O0-zero1-overlapped", "O1-zero1-bf16-updates", "O2-overlapped"],
+)
+def test_sharded_fp32_weights_on_one_gpu_skip_together(opt_level, register):
+    """ZeRO-1 of FP32 weights (O0/O1 with ``shard_master_weights=True``) and the overlapped
+    gather, with CUDA tensors through gloo: two ranks, one GPU, an inf on rank 1 only."""
+    results = _spawn(_ddp_worker, 2, "gloo", True, True, opt_level, register)
     _check_ranks_agree_and_track_reference(results, 2)
 
 

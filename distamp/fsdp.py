@@ -123,14 +123,27 @@ class FSDPParams(ModelGrads):
     def _unreduced_grads(self) -> list[torch.Tensor]:
         """The gradients FSDP2 holds unsharded and unreduced (accumulation without sync): its
         FSDPParam objects' ``unsharded_accumulated_grad`` (reduce dtype) or their unsharded
-        parameters' ``.grad``. FSDP's internals, read with getattr: none found, none rescaled."""
+        parameters' ``.grad``. FSDP's internals: a torch whose layout is neither 2.11's nor 2.13's
+        raises rather than leave them at the old scale."""
         model = self.model() if self.model is not None else None
         out: list[torch.Tensor] = []
         for module in model.modules() if model is not None else ():
             state_of = getattr(module, "_get_fsdp_state", None)
             if state_of is None:
                 continue
-            for param_group in getattr(state_of(), "_fsdp_param_groups", None) or ():
+            state = state_of()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: one per mesh
+            if groups is None and hasattr(state, "_fsdp_param_group"):  # torch 2.11: one or None
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            if groups is None:  # read none: the reduced sum would mix two scales, silently
+                raise RuntimeError(
+                    f"distamp: expected FSDP2's state of module {type(module).__name__} to hold "
+                    "_fsdp_param_groups (torch 2.13) or _fsdp_param_group (torch 2.11), found "
+                    f"neither in torch {torch.__version__}: the gradients it accumulates unreduced "
+                    "under set_requires_gradient_sync(False) cannot be brought to a later loss's "
+                    "scale. Sync every micro-batch, or use one loss scale (num_losses=1)."
+                )
+            for param_group in groups:
                 for fsdp_param in getattr(param_group, "fsdp_params", ()):
                     held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)

@@ -245,6 +245,17 @@ def _refusals(rank, world):
         distamp.hooks.register(ddp, opt)
     except RuntimeError as err:
         messages.append(str(err))
+    half = mlp()
+    half, half_opt = distamp.wrap(half, torch.optim.SGD(half.parameters(), lr=0.1), opt_level="O2")
+    delayed = DDP(  # torch's FP32 delay buffer cannot hold a bf16 weight's gradient (an audit)
+        half,
+        delay_all_reduce_named_params=[("3.weight", half[3].weight)],
+        param_to_hook_all_reduce=half[0].weight,
+    )
+    try:
+        distamp.hooks.register(delayed, half_opt)
+    except ValueError as err:
+        messages.append(str(err))
     fallback = _can_reduce(torch.float8_e4m3fn, None)
     return messages, fallback, _can_reduce(torch.bfloat16, None)
 
@@ -254,6 +265,7 @@ def test_register_refuses_non_ddp_another_models_ddp_and_twice_and_probes_dtypes
         assert "expected a DistributedDataParallel model, got Sequential" in messages[0]
         assert "holding none of the optimizer's 6 parameters" in messages[1], messages[1]
         assert "already has a comm hook" in messages[2]
+        assert "found half parameters: 3.weight (torch.bfloat16)" in messages[3], messages[3]
         assert (fp8_ok, bf16_ok) == (False, True)
 
 

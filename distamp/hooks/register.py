@@ -82,6 +82,7 @@ def register(
         )
     st = optimizer._distamp
     props = st.group.props
+    _refuse_half_delayed_params(ddp_model)
     in_ddp = {id(p) for p in ddp_model.parameters()}
     if st.masters.model_params and not any(id(p) in in_ddp for p in st.masters.model_params):
         # An audit: a DDP built on another model was accepted, the optimizer's own DDP reduced
@@ -170,6 +171,26 @@ def register(
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
     ddp_model.register_comm_hook(state, hook)
     return state
+
+
+def _refuse_half_delayed_params(ddp_model: nn.parallel.DistributedDataParallel) -> None:
+    """DDP's ``delay_all_reduce_named_params`` keeps an FP32 gradient buffer whose views it assigns
+    to the delayed parameters' ``.grad``: with half weights (O2/O3) torch fails in the first
+    forward with "attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
+    'BFloat16'" (a plain bf16 model too; an audit). Said here, with the names, instead."""
+    delayed = {id(p) for p in getattr(ddp_model, "_delay_all_reduce_params", ())}
+    half = [
+        f"{name} ({p.dtype})"
+        for name, p in ddp_model.module.named_parameters()
+        if id(p) in delayed and p.dtype != torch.float32
+    ]
+    if half:
+        raise ValueError(
+            "distamp.hooks.register: DistributedDataParallel(delay_all_reduce_named_params=...) "
+            "expects FP32 parameters (torch keeps their delayed gradients in an FP32 buffer), "
+            f"found half parameters: {', '.join(half)}. Leave them out of "
+            "delay_all_reduce_named_params, or train at O0/O1 (FP32 weights)"
+        )
 
 
 def _check_gather_dtype(dtype: torch.dtype, masters: object, opt_level: str) -> None:

@@ -137,6 +137,13 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                     "torch.float32: hand distamp.wrap an FP32 model (do not call .half() or "
                     ".bfloat16() yourself); the opt_level decides what is cast"
                     + (
+                        ". If it belongs to a module shared with a model an earlier "
+                        "distamp.wrap cast, wrap the models that share it in one call: "
+                        "distamp.wrap([model_a, model_b], [opt_a, opt_b])"
+                        if param.dtype in (torch.float16, torch.bfloat16)
+                        else ""
+                    )
+                    + (
                         " — frozen parameters too (requires_grad=False): a half frozen base "
                         "(QLoRA-style) is not supported yet; load it in FP32 (O2 casts it to "
                         "the half dtype without masters' cost for frozen weights outside the "

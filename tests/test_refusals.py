@@ -71,6 +71,26 @@ def test_half_parameters_are_refused_by_name():
     assert_unchanged(before, model, opt)
 
 
+def test_a_module_shared_with_a_model_wrapped_before_points_to_one_call():
+    """Two models sharing a submodule, wrapped in two calls at O2: the first cast the shared
+    weights, so the second finds them half. The message said only "do not call .half()", which
+    the user never did (an audit); it names the one-call form, which works."""
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b[1].parameters(), lr=0.1)
+    distamp.wrap(a, opt_a, opt_level="O2", verbosity=0)
+    with pytest.raises(
+        ValueError, match=r"'0.weight' has dtype .*wrap the models that share it in one call"
+    ):
+        distamp.wrap(b, opt_b, opt_level="O2", verbosity=0)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    opts = [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b[1].parameters(), lr=0.1)]
+    (a, b), _ = distamp.wrap([a, b], opts, opt_level="O2", verbosity=0)
+    assert a[0].weight is b[0].weight and a[0].weight.dtype == torch.bfloat16
+
+
 def test_optimizer_with_foreign_parameters_is_refused():
     model, _ = fresh()
     stranger = nn.Linear(3, 3)

@@ -338,6 +338,26 @@ def _wrapper_class(cls: type) -> type:
     return type(cls.__name__, (AmpOptimizerWrapper, cls), {"__module__": cls.__module__})
 
 
+def _unscale_before_wrapper_steps(wrapper: Any) -> None:
+    """A wrapper (apex's LARC) built around the optimizer wrap returned, then handed to
+    scale_loss: give it the class wrap gives a wrapper handed to it (see [Note: optimizer
+    wrappers]), so its ``step`` reads unscaled gradients. Missed, LARC's trust ratio came from
+    gradients 2**16 times too large at O1 and from no gradients at all at O2 (the masters get
+    theirs in step()): updates 8x too small, or none, silently (an audit)."""
+    if isinstance(wrapper, AmpOptimizerWrapper):
+        return
+    try:
+        wrapper.__class__ = _wrapper_class(type(wrapper))
+    except TypeError:  # a class whose instances cannot change class (slots, extension types)
+        warnings.warn(
+            f"scale_loss: the optimizer wrapper {type(wrapper).__name__} was built around the "
+            "optimizer distamp.wrap returned, and its step() may read gradients still multiplied "
+            "by the loss scale; expected the wrapper handed to distamp.wrap (apex's order: "
+            "wrapper first, then initialize)",
+            stacklevel=4,
+        )
+
+
 def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
     """Every parameter and buffer of ``models`` once (tied ones once), in a fixed order."""
     seen: set[int] = set()
@@ -617,6 +637,9 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
     if not given:
         raise ValueError(f"{what}: expected at least one optimizer, got an empty list")
     opts = [inner_optimizer(o) or o for o in given]
+    for wrapper, opt in zip(given, opts, strict=True):
+        if wrapper is not opt and isinstance(opt, AmpOptimizer):
+            _unscale_before_wrapper_steps(wrapper)
     disabled = [disabled_properties(o) for o in opts]
     if all(d is not None for d in disabled):
         return [], disabled[0]

@@ -999,13 +999,17 @@ class Single(nn.Module):
         return (x * self.weight0).sum()
 
 
-def larc_run(level, steps=3, weight_decay=0.0):
+def larc_run(level, steps=3, weight_decay=0.0, built_after=False):
     model = Single(1)
     inner = torch.optim.SGD(
         [{"params": model.parameters(), "lr": 0.25}], momentum=0.125, weight_decay=weight_decay
     )
-    optimizer = LARC(inner)
-    if level is not None:
+    if built_after and level is not None:  # LARC around the optimizer initialize returned
+        model, inner = amp.initialize(model, inner, opt_level=level, verbosity=0)
+        optimizer = LARC(inner)
+    else:
+        optimizer = LARC(inner)
+    if level is not None and not built_after:
         model, returned = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
         assert returned is optimizer
     for _ in range(steps):
@@ -1019,12 +1023,14 @@ def larc_run(level, steps=3, weight_decay=0.0):
     return model, optimizer
 
 
+@pytest.mark.parametrize("built_after", [False, True], ids=["handed-to-initialize", "built-after"])
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
 @pytest.mark.parametrize("level", LEVELS)
-def test_larc_mixed_precision(level, weight_decay):
+def test_larc_mixed_precision(level, weight_decay, built_after):
     """apex's test_larc only checks that a step runs; LARC must also read the unscaled gradients
-    (a scaled one makes its trust ratio 2**16 times too small) and train as in FP32."""
-    model, optimizer = larc_run(level, weight_decay=weight_decay)
+    (a scaled one makes its trust ratio 2**16 times too small) and train as in FP32 — also built
+    around the optimizer initialize returned (an audit: 8x too small at O1, no update at O2)."""
+    model, optimizer = larc_run(level, weight_decay=weight_decay, built_after=built_after)
     ref_model, ref_opt = larc_run(None, weight_decay=weight_decay)
     half = level in ("O2", "O3")
     torch.testing.assert_close(

@@ -44,6 +44,7 @@ from .masters.optimizer import (
     AmpOptimizerWrapper,
     amp_optimizer_class,
     drop_cleared_gradients,
+    guard_nested_optimizers,
     inner_optimizer,
     unscale_now,
     watch_backward,
@@ -584,6 +585,7 @@ def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) ->
     opt.__class__ = amp_optimizer_class(type(opt))
     opt._distamp = state  # type: ignore[attr-defined]
     state.optimizer = weakref.ref(opt)
+    guard_nested_optimizers(opt, state)
     state.group.optimizers.append(state)
     # An LR scheduler built before wrap stored a wrapper of the *old* class's step on the instance
     # (lr_scheduler.patch_track_step_called); rebuild it around the new class's step.

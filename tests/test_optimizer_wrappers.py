@@ -283,3 +283,55 @@ def test_sparse_adam_is_refused_sharded_and_the_warning_names_what_stays_replica
         (warning,) = out["warning"]
         assert "SparseAdam is not among torch's per-parameter" in warning, warning
         assert "for every optimizer wrapped with it (2 in all" in warning, warning
+
+
+class SAM(torch.optim.Optimizer):
+    """davda54/sam's SAM, the widely copied shape: a base optimizer sharing its param_groups,
+    stepped by ``second_step`` itself (outside ``step()``)."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([g.norm() for g in grads])) if grads else torch.tensor(0.0)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * group["rho"] / (norm + 1e-12))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "old_p" in self.state[p]:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_base_optimizer_stepped_outside_step_is_refused_by_name(level):
+    """SAM's second_step steps its base optimizer itself: no unscale, no skip decision, no copy of
+    the FP32 masters into the model (an audit: O2's loss went to 7e28, O1's to NaN, silently).
+    It raises, naming the attribute (a nested step inside step(), timm's Lookahead, passes:
+    test_a_wrapper_sharing_its_param_groups_with_the_base_optimizer_trains_under_o2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    x = torch.randn(16, 4)
+    with distamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.first_step()
+    with distamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(
+        RuntimeError, match=r"optimizer\.base_optimizer\.step\(\) \(SGD inside SAM\) ran outside"
+    ):
+        opt.second_step()

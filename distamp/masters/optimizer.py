@@ -87,6 +87,9 @@ class AmpOptimizerState:
         :func:`drop_cleared_gradients`)."""
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None
         """The wrapped optimizer (a weak reference, set by wrap)."""
+        self.in_step = False
+        """Inside ``step()``: an optimizer nested in the wrapped one may step (see
+        :class:`NestedStepGuard`)."""
 
     def hyperparameter_fingerprint(self) -> torch.Tensor:
         """``[h, -h]``: a hash of every param group's numeric settings (lr, betas, weight_decay,
@@ -183,6 +186,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         assert st.overflow is not None
         st.steps += 1
         st.last_step_skipped = st.overflow
+        st.in_step = True
         try:
             if st.overflow:
                 st.skipped_steps += 1
@@ -195,6 +199,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 else:  # see [Note: the step in rounds]
                     step_in_rounds(self, st.masters, in_rounds)  # type: ignore[arg-type]
         finally:
+            st.in_step = False
             st.reset()
             st.masters.restored = False
             st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
@@ -503,6 +508,48 @@ class AmpOptimizerWrapper:
 def amp_optimizer_class(cls: type[torch.optim.Optimizer]) -> type[AmpOptimizer]:
     """A subclass of ``cls`` with :class:`AmpOptimizer` in front; same name, so reprs read as before."""
     return type(cls.__name__, (AmpOptimizer, cls), {"__module__": cls.__module__})
+
+
+class NestedStepGuard:
+    """Step pre-hook on an optimizer held inside the wrapped one and sharing its ``param_groups``
+    (timm's Lookahead, SAM's ``base_optimizer``): it may step only inside the wrapped optimizer's
+    ``step()``. SAM's ``second_step`` calls ``base_optimizer.step()`` itself: no unscale, no skip
+    decision, no copy of the FP32 masters into the model — at O2 only the FP32 norm layers moved
+    (by 1e3) and the loss went to 7e28, at O1 to NaN, silently (an audit). Holds the state
+    weakly, as :class:`BackwardSeen` does."""
+
+    def __init__(self, st: AmpOptimizerState, attr: str) -> None:
+        self.st = weakref.ref(st)
+        self.attr = attr
+
+    def __call__(self, nested: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        st = self.st()
+        if st is None or st.in_step:
+            return
+        outer = st.optimizer()
+        name = type(outer).__name__ if outer is not None else "the wrapped optimizer"
+        raise RuntimeError(
+            f"optimizer.{self.attr}.step() ({type(nested).__name__} inside {name}) ran outside "
+            f"optimizer.step(): expected the optimizer distamp.wrap returned to be stepped (its "
+            "step() unscales the gradients, takes the skip decision every rank shares and copies "
+            "the FP32 masters into the model, then steps the nested optimizer). Optimizers that "
+            "step their base optimizer themselves in two phases (SAM's first_step/second_step) "
+            "are not supported; a wrapper that calls the nested step() from its own step() "
+            "(timm's Lookahead) is"
+        )
+
+
+def guard_nested_optimizers(opt: torch.optim.Optimizer, st: AmpOptimizerState) -> None:
+    """Give every optimizer held in ``opt``'s attributes and sharing its param-group dicts a
+    :class:`NestedStepGuard`."""
+    shared = {id(g) for g in opt.param_groups}
+    for attr, value in vars(opt).items():
+        if (
+            isinstance(value, torch.optim.Optimizer)
+            and value is not opt
+            and any(id(g) in shared for g in value.param_groups)
+        ):
+            value.register_step_pre_hook(NestedStepGuard(st, attr))
 
 
 class BackwardSeen:

@@ -107,6 +107,51 @@ def scale_loss(
     return _scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
 
 
+class _ScalerView:
+    """One of apex's ``amp._amp_state.loss_scalers``, as scripts read and set it: ``loss_scale()``,
+    ``_loss_scale`` (NVIDIA's BERT sets it to start at 2**20) and ``_unskipped``."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
+            raise ValueError(
+                f"amp._amp_state.loss_scalers[i]._loss_scale: expected a positive finite number, "
+                f"got {value!r}"
+            )
+        self._scaler.scale = float(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler.clean_steps
+
+
+class _AmpStateView:
+    """apex's private ``amp._amp_state``, read-only but for the scale: ``loss_scalers`` of the
+    latest ``initialize`` (empty before one, or with ``enabled=False``)."""
+
+    @property
+    def loss_scalers(self) -> list[_ScalerView]:
+        group = _REGISTRY.get("group")
+        return [_ScalerView(s) for s in group.scalers] if group is not None else []
+
+
+def __getattr__(name: str) -> Any:
+    """``amp._amp_state``: apex-era scripts log (and set) the scale through it (an audit)."""
+    if name == "_amp_state":
+        return _AmpStateView()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The FP32 tensors ``optimizer`` steps, with their *unscaled* gradients.
 

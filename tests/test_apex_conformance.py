@@ -928,6 +928,28 @@ def test_amp_state_dict_restores_every_scaler_after_a_new_initialize():
     assert amp.state_dict() == saved
 
 
+def test_amp_state_loss_scalers_read_and_set_as_apex_scripts_do():
+    """apex-era scripts log ``amp._amp_state.loss_scalers[0].loss_scale()`` and set
+    ``_loss_scale`` (NVIDIA's BERT starts at 2**20); the private attribute was missing (an
+    audit). The scale set is the one the next step uses."""
+    model = Pair(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+    scalers = amp._amp_state.loss_scalers
+    assert [s.loss_scale() for s in scalers] == [2.0**16, 2.0**16]
+    scalers[1]._loss_scale = 2.0**20
+    with amp.scale_loss(model(X), opt, loss_id=1) as scaled:
+        assert scaled.item() == pytest.approx(model(X).item() * 2.0**20, rel=1e-2)
+        scaled.backward()
+    opt.step()
+    assert amp._amp_state.loss_scalers[1]._loss_scale == 2.0**20
+    assert amp._amp_state.loss_scalers[1]._unskipped == 1
+    with pytest.raises(ValueError, match="expected a positive finite number, got 0"):
+        scalers[0]._loss_scale = 0
+    with pytest.raises(AttributeError, match="no attribute '_amp_stat'"):
+        amp._amp_stat  # noqa: B018
+
+
 # -- test_larc.py -----------------------------------------------------------------------------------
 
 

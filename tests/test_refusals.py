@@ -188,10 +188,48 @@ def test_step_before_backward_is_refused():
         distamp.unscale_(opt)
 
 
-def test_step_with_closure_is_refused():
-    model, opt = _trained_once()
-    with pytest.raises(ValueError, match="closure"):
-        opt.step(lambda: 0.0)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_step_with_a_closure_runs_it_once_and_returns_its_loss(level):
+    """torch.optim's contract (Lightning steps every optimizer so; refused before, an audit):
+    the closure runs once with grad enabled, its backward is the step's, its loss comes back;
+    the result equals the closure's body written before step(). A closure without backward
+    (Lightning's manual optimization) after a scale_loss block steps that block's gradients."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for style in ("inline", "closure", "noop-closure"):
+        torch.manual_seed(0)
+        model, opt = fresh()
+        model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+
+        def closure(model=model, opt=opt):
+            assert torch.is_grad_enabled()
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            return loss
+
+        with torch.no_grad():  # Lightning's optimizer_step runs under no_grad
+            if style == "inline":
+                with torch.enable_grad():
+                    expected = closure()
+                returned = opt.step()
+                assert returned is None
+            elif style == "closure":
+                returned = opt.step(closure)
+            else:
+                with torch.enable_grad():
+                    expected = closure()
+                returned = opt.step(lambda: None)
+                assert returned is None
+        if style == "closure":
+            assert torch.is_tensor(returned) and returned.requires_grad
+        assert distamp.stats(opt).steps == 1 and not distamp.stats(opt).last_step_skipped
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+    del expected
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])

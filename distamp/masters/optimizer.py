@@ -140,11 +140,14 @@ class AmpOptimizer(torch.optim.Optimizer):
         A collective over the wrapped process group when distributed (one MAX all-reduce of the
         found-inf flags, none when another optimizer of the same losses already decided).
         """
+        loss = None
         if closure is not None:
-            raise ValueError(
-                "optimizer.step(closure): distamp does not support closures (the loss must go "
-                "through distamp.scale_loss); call step() without a closure"
-            )
+            # torch.optim's contract: call it once with grad enabled, step, return its loss.
+            # Lightning steps every optimizer this way (a no-op closure under manual
+            # optimization; training_step + backward under automatic); refusing it locked
+            # Lightning out (an audit). LBFGS, which calls it again, is refused at wrap.
+            with torch.enable_grad():
+                loss = closure()
         st = self._distamp
         drop_cleared_gradients(st)
         # Stops at the first gradient: O(1) on a normal step.
@@ -204,7 +207,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             st.masters.restored = False
             st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
             st.backward_since_step = False
-        return None
+        return loss
 
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
     # inner class's step, which is hooked already). Mark it as hooked so torch leaves it alone.

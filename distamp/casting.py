@@ -15,6 +15,7 @@ import contextvars
 import copy
 import dataclasses
 import fnmatch
+import inspect
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -225,7 +226,28 @@ def _subclass(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any
         "_distamp_made_from": (cls, mixin, attrs),
         **attrs,
     }
+    if "forward" in mixin.__dict__:
+        namespace["forward"] = _forward_with_signature(mixin.forward, cls.forward)
     return type(cls.__name__, (mixin, cls), namespace)
+
+
+def _forward_with_signature(mixin_forward: Any, user_forward: Any) -> Any:
+    """``mixin_forward`` under the signature and doc of the user's ``forward``.
+
+    Hugging Face's Trainer keeps only the dataset columns named in
+    ``inspect.signature(model.forward)``; the mixin's ``(*args, **kwargs)`` made it drop them
+    all ("The batch received was empty"; an audit)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return mixin_forward(self, *args, **kwargs)
+
+    forward.__doc__ = getattr(user_forward, "__doc__", None)
+    forward.__qualname__ = getattr(user_forward, "__qualname__", "forward")
+    try:
+        forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a builtin or a callable without one: keep *args
+        pass
+    return forward
 
 
 def _reduce_generated(self: nn.Module, protocol: Any) -> Any:

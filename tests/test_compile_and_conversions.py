@@ -91,3 +91,36 @@ def test_moving_a_wrapped_model_without_changing_dtypes_is_fine():
     model = distamp.wrap(net(), opt_level="O2", verbosity=0)
     model.to("cpu").train().eval()
     assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+class _Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        """The user's docstring."""
+        return self.norm(self.proj(input_ids))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_the_wrapped_forward_keeps_the_users_signature(opt_level):
+    """Hugging Face's Trainer keeps the dataset columns named in inspect.signature(model.forward)
+    (remove_unused_columns, its default); the wrapped (*args, **kwargs) made it drop every one
+    (an audit). Copies keep it too; the casts still apply."""
+    import copy
+    import inspect
+
+    model = distamp.wrap(_Tagged(), opt_level=opt_level, verbosity=0)
+    for m in (model, copy.deepcopy(model)):
+        assert list(inspect.signature(m.forward).parameters) == [
+            "input_ids",
+            "attention_mask",
+            "labels",
+        ]
+        assert m.forward.__doc__ == "The user's docstring."
+        assert list(inspect.signature(m.norm.forward).parameters) == ["input"]
+    half = torch.bfloat16 if opt_level == "O1" else torch.float32  # O2/O3: outputs made FP32
+    assert model(input_ids=torch.randn(2, 4)).dtype == half
+    assert model.proj.weight.dtype == (torch.float32 if opt_level == "O1" else torch.bfloat16)

@@ -640,7 +640,7 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
         raise ValueError(f"{what}: expected at least one optimizer, got an empty list")
     opts = [inner_optimizer(o) or o for o in given]
     for wrapper, opt in zip(given, opts, strict=True):
-        if wrapper is not opt and isinstance(opt, AmpOptimizer):
+        if getattr(wrapper, "optim", None) is opt and isinstance(opt, AmpOptimizer):
             _unscale_before_wrapper_steps(wrapper)
     disabled = [disabled_properties(o) for o in opts]
     if all(d is not None for d in disabled):

@@ -335,3 +335,45 @@ def test_a_base_optimizer_stepped_outside_step_is_refused_by_name(level):
         RuntimeError, match=r"optimizer\.base_optimizer\.step\(\) \(SGD inside SAM\) ran outside"
     ):
         opt.second_step()
+
+
+class FrameworkOptimizer(torch.optim.Optimizer):
+    """accelerate's AcceleratedOptimizer, as it holds the optimizer it is given: an Optimizer
+    subclass with the wrapped one as ``optimizer``, its param_groups and state forwarded."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_framework_optimizer_holding_the_wrapped_one_is_taken_for_it(level):
+    """scale_loss, clip_grad_norm_ and stats on accelerate's AcceleratedOptimizer said "was not
+    returned by distamp.wrap" (an audit): the distamp optimizer it holds is used."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model, inner = distamp.wrap(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0
+    )
+    opt = FrameworkOptimizer(inner)
+    x = torch.randn(16, 4)
+    with distamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    norm = distamp.clip_grad_norm_(opt, 1e-3)
+    assert torch.isfinite(norm) and norm > 1e-3
+    opt.step()
+    opt.zero_grad()
+    assert distamp.stats(opt).steps == 1 and distamp.stats(opt) == distamp.stats(inner)

@@ -482,9 +482,12 @@ def unscale_now(st: AmpOptimizerState) -> None:
 
 def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
     """``obj`` itself if it is an optimizer; the optimizer inside an optimizer wrapper such as
-    apex's LARC (its ``optim`` attribute); else None."""
+    apex's LARC (its ``optim`` attribute); the distamp optimizer inside a framework's optimizer
+    subclass that holds it as ``optimizer`` (accelerate's AcceleratedOptimizer: refused by name
+    before, an audit); else None."""
     if isinstance(obj, torch.optim.Optimizer):
-        return obj
+        held = getattr(obj, "optimizer", None) if not isinstance(obj, AmpOptimizer) else None
+        return held if isinstance(held, AmpOptimizer) else obj
     inner = getattr(obj, "optim", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 

@@ -368,6 +368,7 @@ class ScalerGroup:
         to it by a power of two (exact, never an overflow). With ``num_losses == 1`` this never
         happens.
         """
+        self.refuse_wrapped_before_init()
         scale = self.scalers[loss_id].scale
         pending = [st.grad_scale for st in states if st.grad_scale is not None]
         if pending:
@@ -441,6 +442,26 @@ class ScalerGroup:
         self._open = [b for b in self._open if b.users]
         self.update_finished_losses()
 
+    def refuse_wrapped_before_init(self) -> None:
+        """Wrapped with no process group up (a LightningModule's ``__init__``, a script that
+        builds the model first), trained across ranks: every rank decided its skips alone (a NaN
+        on one rank: that rank skipped, the others stepped, the replicas drifted apart), the
+        masters stayed replicated and no rank-agreement check ran — silently (an audit). Every
+        rank raises here, at its first scale_loss or step, with no collective."""
+        if self.process_group is not None or not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.get_world_size()
+        if world > 1:
+            raise RuntimeError(
+                f"distamp: expected distamp.wrap to be called after "
+                f"torch.distributed.init_process_group, found it wrapped with no process group "
+                f"while the default group now has {world} ranks (this is rank {dist.get_rank()}): "
+                "each rank would decide its skips alone and the replicas would drift apart. Call "
+                "wrap after init_process_group (Lightning: in configure_model(), not __init__); "
+                "for a model each rank trains alone, pass process_group=a one-rank group "
+                "(dist.new_subgroups(group_size=1)[0])"
+            )
+
     # -- step ------------------------------------------------------------------------------------
 
     def unscale_and_decide(self, st: AmpOptimizerState) -> None:
@@ -450,6 +471,7 @@ class ScalerGroup:
         decided by another optimizer's step already.
         """
         assert st.grad_scale is not None
+        self.refuse_wrapped_before_init()
         st.masters.check_views(self.param_names)  # before anything changes
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
         undecided = [b for b in st.backwards if b.overflow is None]

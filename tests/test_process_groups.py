@@ -116,3 +116,36 @@ def test_register_refuses_a_ddp_that_reduces_over_fewer_ranks_than_the_shards():
     for rank, message in enumerate(run_ranks(_ddp_over_own_subgroup, 2, timeout=90)):
         assert message is not None
         assert "sharded over (ranks [0, 1]" in message and f"holding ranks [{rank}]" in message
+
+
+def _wrapped_before_init(rank, world, init_file):
+    """Wrap with no process group (a LightningModule's __init__), then the group comes up."""
+    dist.destroy_process_group()
+    model = mlp()
+    model, opt = distamp.wrap(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0
+    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    x, y = data(1, 4)[0]
+    out = {}
+    for attempt in ("scale_loss", "step"):
+        try:
+            if attempt == "scale_loss":
+                with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+            else:
+                F.mse_loss(model(x).float(), y).backward()  # no scale_loss: straight to step()
+                opt.step()
+        except RuntimeError as err:
+            out[attempt] = str(err)
+        opt.zero_grad()
+    return out
+
+
+def test_wrap_before_init_process_group_raises_on_every_rank_at_the_first_backward(tmp_path):
+    """Each rank decided its skips alone (a NaN on one rank: it skipped, the other stepped, the
+    replicas drifted), silently (an audit). Every rank raises, at scale_loss and at step()."""
+    for out in run_ranks(_wrapped_before_init, 2, str(tmp_path / "second-rendezvous")):
+        for attempt in ("scale_loss", "step"):
+            assert "expected distamp.wrap to be called after" in out[attempt], out
+            assert "default group now has 2 ranks" in out[attempt]

@@ -238,3 +238,37 @@ def test_fused_and_foreach_adamw_and_a_mostly_padding_shard():
                 assert torch.allclose(p.float(), q.float(), rtol=2**-7, atol=0), name
             for p, q in zip(rank_result[(name, True)], results[0][(name, True)], strict=True):
                 assert torch.equal(p, q)
+
+
+def _moved_to_an_indexed_cpu(rank, world, opt_level, move):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(
+        model, opt, opt_level=opt_level, shard_master_weights=True, verbosity=0
+    )
+    before = model[0].weight.data_ptr()
+    if move:
+        model.to("cpu:0")  # what accelerate's prepare and HF's Trainer do on a CPU machine
+        assert model[0].weight.data_ptr() != before  # torch copied: the views were lost
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])
+def test_a_copy_to_the_same_device_after_wrap_trains_as_without_it(opt_level):
+    """model.to("cpu:0") copies every weight out of the flat buffer the gathers write into:
+    refused at the first step of every 2-rank accelerate / Trainer run on CPU (an audit). The
+    copies go back into their slices (the FP32 masters kept): bit for bit the run without it."""
+    moved = run_ranks(_moved_to_an_indexed_cpu, 2, opt_level, True)
+    plain = run_ranks(_moved_to_an_indexed_cpu, 2, opt_level, False)
+    for a, b in zip(moved, plain, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)

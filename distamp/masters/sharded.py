@@ -261,6 +261,29 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         outside = [p.grad for g in self.groups for p in g.params if p.grad is not None]
         return torch.maximum(flag, nonfinite_flag(outside, self._device()))
 
+    def _reattach_copies(self) -> None:
+        """A weight whose storage was replaced by a copy of the same dtype, shape and device
+        (``model.to("cpu:0")``, which accelerate's ``prepare`` and Hugging Face's Trainer call on
+        a CPU model: torch copies for an explicit index) is put back into its slice of the flat
+        buffer, its values merged into the masters as a write (values still equal to the master
+        rounded keep it). Refused before, at the first step of every 2-rank accelerate / Trainer
+        run on CPU (an audit); other replacements are still refused by :meth:`check_views`."""
+        for layout in self.groups:
+            flat = layout.flat_half
+            if flat is None:
+                continue
+            base, size = flat.data_ptr(), flat.element_size()
+            for r, p in zip(layout.ranges, layout.params, strict=True):
+                if p.data_ptr() == base + r.start * size:
+                    continue
+                if p.dtype != flat.dtype or p.device != flat.device or tuple(p.shape) != r.shape:
+                    continue
+                view = flat[r.start : r.start + r.numel].view(r.shape)
+                with torch.no_grad():
+                    view.copy_(p.detach())
+                p.data = view
+                self.load_value(p, p.detach(), written=True)
+
     def check_views(self, names: dict[int, str]) -> None:
         """Every sharded weight must still be the view of its group's flat buffer that
         :meth:`after_cast` made it, or the all-gather of the updated weights misses it and it
@@ -433,6 +456,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         weight (every rank holds the same weights). The gathers write the flat buffer, not the
         parameters' own version counters, so only writes through the parameters count."""
         self.finish_gather()  # what the last step gathers has landed
+        self._reattach_copies()
         for layout in self.groups:
             if layout.flat_half is None:
                 continue

@@ -522,7 +522,9 @@ class ScalerGroup:
                 at = FLAG_SLOTS + 2 + EVIDENCE_SLOTS
                 self._refuse_parted_settings(st, values[at], values[at + 1])
             if replicas is not None:
-                self._refuse_parted_replicas(st, values[-2], values[-1])
+                # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
+                skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
+                self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             st.decision_report = read_evidence(
                 evidence, [b.loss_id for b in undecided], n_params, named, self.world
@@ -572,10 +574,26 @@ class ScalerGroup:
             "changed on some ranks only"
         )
 
-    def _refuse_parted_replicas(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:
-        """See [Note: clipping what param_groups hold] in masters/sharded.py: every rank reads
-        the same reduced numbers, so every rank raises."""
-        if high == -neg_low:
+    def _refuse_parted_replicas(
+        self, st: AmpOptimizerState, hashes: list[float], *, check_grads: bool
+    ) -> None:
+        """See [Note: clipping what param_groups hold] in masters/sharded.py and
+        ``ShardedMasterParams.replica_fingerprint``: every rank reads the same reduced numbers,
+        so every rank raises."""
+        weights_differ = hashes[0] != -hashes[1]
+        if check_grads and hashes[2] != -hashes[3]:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            raise RuntimeError(
+                "optimizer.step(): expected the model's gradients identical on every rank the FP32 "
+                f"masters are sharded over (ranks {dist.get_process_group_ranks(group)}, "
+                "distamp.wrap's process_group), as DDP's all-reduce leaves them, found them "
+                "different: each rank would step its shard with gradients the others never saw. "
+                "The usual cause: a DistributedDataParallel built over another process group "
+                "than wrap's (pass the same group to distamp.wrap(..., process_group=...) and to "
+                "DDP); or no DDP (no all-reduce) at all, or a parameter DDP does not reduce (frozen "
+                "when DDP was built: rebuild DDP after unfreezing)"
+            )
+        if not weights_differ:
             return
         kept = getattr(st.masters, "replicated", [])
         names = [self.param_names.get(id(p), "?") for p in kept[:3]]

@@ -149,3 +149,36 @@ def test_wrap_before_init_process_group_raises_on_every_rank_at_the_first_backwa
         for attempt in ("scale_loss", "step"):
             assert "expected distamp.wrap to be called after" in out[attempt], out
             assert "default group now has 2 ranks" in out[attempt]
+
+
+def _ddp_on_subgroups_without_register(rank, world, opt_level):
+    """wrap over the default group (FP32 weights or masters sharded over all 4 ranks), DDP over
+    {0, 1} and {2, 3} with each pair's own data, no hooks.register (which refuses this)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = mlp()
+    model, opt = distamp.wrap(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level=opt_level,
+        shard_master_weights=True,
+        verbosity=0,
+    )
+    ddp = DDP(model, process_group=pairs[rank // 2])
+    x, y = data(1, 4, seed=rank // 2)[0]
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])
+def test_ddp_over_subgroups_of_the_sharded_group_is_refused_at_the_first_step(opt_level):
+    """Each rank stepped its shard with its own pair's gradients and the gather stitched the
+    shards together: every rank identical, the training a mix of both pairs', nothing said (an
+    audit). The decision's all-reduce compares a sample of the gradients: every rank raises."""
+    for message in run_ranks(_ddp_on_subgroups_without_register, 4, opt_level, timeout=180):
+        assert message is not None and "expected the model's gradients identical" in message
+        assert "ranks [0, 1, 2, 3]" in message and "another process group" in message

@@ -481,18 +481,27 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         return torch.cat(parts) if parts else None
 
     def replica_fingerprint(self) -> torch.Tensor | None:
-        """``[h, -h]``: a hash of the bits of the parameters every rank steps whole, as two
-        float32 numbers a MAX all-reduce can compare (equal everywhere iff max(h) == -max(-h));
-        None when there are none or one rank."""
-        kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
-        if self.world < 2 or not kept:
+        """``[hw, -hw, hg, -hg]``: bit hashes of what must be identical on every rank of the
+        masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
+        max(h) == -max(-h)): ``hw`` of the parameters every rank steps whole, ``hg`` of the first
+        elements of every sharded weight's gradient when DDP's all-reduce made them (no
+        reduce-scatter hook). A DDP over a subgroup of wrap's group left them different: each
+        rank stepped its shard with its own subgroup's gradients and the gather stitched the
+        shards together, the ranks identical and the training wrong, silently (an audit).
+        None at one rank."""
+        if self.world < 2:
             return None
-        with torch.no_grad():
-            bits = torch.cat([k.float() for k in kept]).view(torch.int32).to(torch.int64)
-            position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-            # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
-            h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
-        return torch.stack([h, -h])
+        kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
+        sampled: list[torch.Tensor] = []
+        if not self.staging_hooks:
+            for layout in self.groups:
+                for p in layout.params:
+                    g = p.grad
+                    if g is None:
+                        sampled.append(torch.zeros(min(4, p.numel()), device=p.device))
+                    else:
+                        sampled.append(g.detach().reshape(-1)[:4].float())
+        return torch.cat([_bit_hash(kept), _bit_hash(sampled)])
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""
@@ -588,3 +597,15 @@ def _device(params: Sequence[nn.Parameter]) -> torch.device:
     for p in params:
         return p.device
     return torch.device("cpu")
+
+
+def _bit_hash(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[h, -h]``, a hash of the bits of ``tensors`` (as float32); zeros for none."""
+    if not tensors:
+        return torch.zeros(2, dtype=torch.float32)
+    with torch.no_grad():
+        bits = torch.cat([t.float() for t in tensors]).view(torch.int32).to(torch.int64)
+        position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+        # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
+        h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
+    return torch.stack([h, -h]).cpu()

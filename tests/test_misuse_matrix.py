@@ -62,10 +62,11 @@ def stepped(**kwargs):
 
 
 def relaid():
-    """Sharded masters after a step, then what model.to(memory_format=...) or any conversion
-    after wrap does to a parameter (the same values in new storage), then a backward."""
+    """Sharded masters after a step, then what model.to(memory_format=...) does to a parameter
+    (the same values in new storage, laid out otherwise), then a backward. A plain copy in the
+    same layout (model.to("cpu:0")) is put back: tests/test_sharded.py."""
     model, opt = stepped(shard_master_weights=True)
-    model[0].weight.data = model[0].weight.data.clone()
+    model[0].weight.data = model[0].weight.data.t().contiguous().t()
     backward(model, opt)
     return model, opt
 

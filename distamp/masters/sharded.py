@@ -276,8 +276,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             for r, p in zip(layout.ranges, layout.params, strict=True):
                 if p.data_ptr() == base + r.start * size:
                     continue
-                if p.dtype != flat.dtype or p.device != flat.device or tuple(p.shape) != r.shape:
-                    continue
+                same_kind = p.dtype == flat.dtype and p.device == flat.device
+                if not (same_kind and tuple(p.shape) == r.shape and p.is_contiguous()):
+                    continue  # another dtype, device or memory format: check_views names it
                 view = flat[r.start : r.start + r.numel].view(r.shape)
                 with torch.no_grad():
                     view.copy_(p.detach())
@@ -501,7 +502,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                         sampled.append(torch.zeros(min(4, p.numel()), device=p.device))
                     else:
                         sampled.append(g.detach().reshape(-1)[:4].float())
-        return torch.cat([_bit_hash(kept), _bit_hash(sampled)])
+        device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
+        return torch.cat([_bit_hash(kept, device), _bit_hash(sampled, device)])
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""
@@ -599,13 +601,13 @@ def _device(params: Sequence[nn.Parameter]) -> torch.device:
     return torch.device("cpu")
 
 
-def _bit_hash(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``[h, -h]``, a hash of the bits of ``tensors`` (as float32); zeros for none."""
     if not tensors:
-        return torch.zeros(2, dtype=torch.float32)
+        return torch.zeros(2, dtype=torch.float32, device=device)
     with torch.no_grad():
         bits = torch.cat([t.float() for t in tensors]).view(torch.int32).to(torch.int64)
         position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
         h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
-    return torch.stack([h, -h]).cpu()
+    return torch.stack([h, -h])

@@ -45,6 +45,7 @@ class WeightGather:
     rank: int
     world: int
     overlap_gather: bool
+    left_in_flight: bool
     update_dtype: torch.dtype | None
     pending_updates: bool
     watched_groups: int
@@ -179,6 +180,7 @@ class WeightGather:
         if not (after_step and self.overlap_gather):
             self.finish_gather()
             return
+        self.left_in_flight = True
         for g in range(self.watched_groups, len(self.pending)):
             self.wait_rounds(g, len(self.pending[g]))
 

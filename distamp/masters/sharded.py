@@ -92,6 +92,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.overlap_gather = False
         """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
         the next forward]."""
+        self.left_in_flight = False
+        """A step's gather was left to land during the next forward (see
+        :meth:`_reattach_copies`)."""
         self.update_dtype: torch.dtype | None = None
         """Set by ``hooks.register(..., gather_dtype=torch.bfloat16)`` with FP32 weights: see
         [Note: 16-bit updates of FP32 weights]."""
@@ -267,7 +270,15 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         a CPU model: torch copies for an explicit index) is put back into its slice of the flat
         buffer, its values merged into the masters as a write (values still equal to the master
         rounded keep it). Refused before, at the first step of every 2-rank accelerate / Trainer
-        run on CPU (an audit); other replacements are still refused by :meth:`check_views`."""
+        run on CPU (an audit); other replacements are still refused by :meth:`check_views`.
+
+        Not once a step's gather was left in flight (``overlap_gather``): a copy taken then may
+        hold half-gathered weights, each rank its own new shard and the others' old ones, and
+        putting it back overwrote the gathered values (an audit: off by 2e-3, silently); the
+        copy is refused by name as before. A copy before the first such step (accelerate's
+        ``prepare``) is put back."""
+        if self.left_in_flight:
+            return
         for layout in self.groups:
             flat = layout.flat_half
             if flat is None:
@@ -308,6 +319,12 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                     "so it would stop training. Expected such conversions before distamp.wrap "
                     "(sharded masters keep the weights contiguous, so a channels_last format is "
                     "not kept), or shard_master_weights=False"
+                    + (
+                        "; with overlap_gather a copy after the first step is refused too (it "
+                        "may hold half-gathered weights): move the model before training"
+                        if self.left_in_flight
+                        else ""
+                    )
                 )
 
     def _fill_shard_grad(
@@ -498,7 +515,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             for layout in self.groups:
                 for p in layout.params:
                     g = p.grad
-                    if g is None:
+                    if (
+                        g is None or g.layout != torch.strided
+                    ):  # sparse: rows in any order; left out
                         sampled.append(torch.zeros(min(4, p.numel()), device=p.device))
                     else:
                         sampled.append(g.detach().reshape(-1)[:4].float())

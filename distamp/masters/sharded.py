@@ -515,9 +515,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             for layout in self.groups:
                 for p in layout.params:
                     g = p.grad
-                    if (
-                        g is None or g.layout != torch.strided
-                    ):  # sparse: rows in any order; left out
+                    # A sparse gradient's rows come in any order: left out (zeros).
+                    if g is None or g.layout != torch.strided:
                         sampled.append(torch.zeros(min(4, p.numel()), device=p.device))
                     else:
                         sampled.append(g.detach().reshape(-1)[:4].float())

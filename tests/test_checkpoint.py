@@ -339,6 +339,28 @@ def test_extra_must_be_plain_data(tmp_path):
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.incomplete").exists()
 
 
+def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
+    """DeepSpeed's habit, save_checkpoint(save_dir) with the run's root folder, deleted every
+    checkpoint and log in it (an audit): refused with nothing touched. A committed checkpoint
+    and an empty folder are replaced as before."""
+    model, opt, _ = make("O2")
+    root = tmp_path / "run"
+    distamp.save_checkpoint(root / "step_10", model, opt, extra={"step": 10})
+    (root / "train_log.txt").write_text("step 10\n")
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(CheckpointError, match=r"expected .*run to be a new path.*step_10"):
+        distamp.save_checkpoint(root, model, opt, extra={"step": 20})
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert distamp.checkpoint.inspect(root / "step_10")["extra"] == {"step": 10}
+    distamp.save_checkpoint(root / "step_10", model, opt, extra={"step": 11})  # a checkpoint
+    assert distamp.checkpoint.inspect(root / "step_10")["extra"] == {"step": 11}
+    (tmp_path / "empty").mkdir()
+    distamp.save_checkpoint(tmp_path / "empty", model, opt)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="found a file"):
+        distamp.save_checkpoint(tmp_path / "a-file", model, opt)
+
+
 class _Phase(enum.IntEnum):
     WARMUP = 3
 

@@ -200,8 +200,22 @@ def _dcp_failures(exc: BaseException) -> str:
 
 
 def _prepare(directory: Path, rank: int) -> None:
-    """Rank 0 creates the empty temporary directory; the others wait for it in ``agree``."""
+    """Rank 0 creates the empty temporary directory; the others wait for it in ``agree``.
+
+    An existing ``directory`` is replaced only when it is a committed checkpoint or empty: a
+    DeepSpeed habit, ``save_checkpoint(save_dir)`` with the run's root folder, deleted every
+    earlier checkpoint and log in it (an audit)."""
     if rank == 0:
+        if directory.exists() and not (directory / files.COMMIT).is_file():
+            inside = sorted(c.name for c in directory.iterdir()) if directory.is_dir() else None
+            found = "a file" if inside is None else f"a folder holding {inside[:4]}"
+            if inside is None or inside:
+                raise CheckpointError(
+                    f"save_checkpoint: expected {directory} to be a new path, an empty folder or "
+                    f"a committed distamp checkpoint (it is replaced), found {found}: the path "
+                    "names the checkpoint itself, not a folder of them (DeepSpeed's save_dir); "
+                    f"save into a subfolder such as {directory / 'step_100'}"
+                )
         directory.parent.mkdir(parents=True, exist_ok=True)
         files.prepare_tmp(directory)
 

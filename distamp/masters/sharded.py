@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -279,29 +279,19 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         ``prepare``) is put back."""
         if self.left_in_flight:
             return
-        for layout in self.groups:
-            flat = layout.flat_half
-            if flat is None:
-                continue
-            base, size = flat.data_ptr(), flat.element_size()
-            for r, p in zip(layout.ranges, layout.params, strict=True):
-                if p.data_ptr() == base + r.start * size:
-                    continue
-                same_kind = p.dtype == flat.dtype and p.device == flat.device
-                if not (same_kind and tuple(p.shape) == r.shape and p.is_contiguous()):
-                    continue  # another dtype, device or memory format: check_views names it
-                view = flat[r.start : r.start + r.numel].view(r.shape)
-                with torch.no_grad():
-                    view.copy_(p.detach())
-                p.data = view
-                self.load_value(p, p.detach(), written=True)
+        for flat, r, p in self._not_in_place():
+            same_kind = p.dtype == flat.dtype and p.device == flat.device
+            if not (same_kind and tuple(p.shape) == r.shape and p.is_contiguous()):
+                continue  # another dtype, device or memory format: check_views names it
+            view = flat[r.start : r.start + r.numel].view(r.shape)
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
+            self.load_value(p, p.detach(), written=True)
 
-    def check_views(self, names: dict[int, str]) -> None:
-        """Every sharded weight must still be the view of its group's flat buffer that
-        :meth:`after_cast` made it, or the all-gather of the updated weights misses it and it
-        silently stops training. A conversion after ``wrap`` (``model.to(memory_format=...)``,
-        ``.to(dtype)``, an assignment to ``.data``) gives it new storage: refused, by name, before
-        the step changes anything."""
+    def _not_in_place(self) -> Iterator[tuple[torch.Tensor, ParamRange, nn.Parameter]]:
+        """(flat buffer, range, parameter) of each sharded weight that is no longer the
+        contiguous view of its slice that :meth:`after_cast` made it."""
         for layout in self.groups:
             flat = layout.flat_half
             if flat is None:
@@ -309,23 +299,31 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             base, size = flat.data_ptr(), flat.element_size()
             for r, p in zip(layout.ranges, layout.params, strict=True):
                 same = p.data_ptr() == base + r.start * size and p.dtype == flat.dtype
-                if same and p.is_contiguous():
-                    continue
-                raise ValueError(
-                    f"parameter {names.get(id(p), '?')!r} ({tuple(p.shape)}, {p.dtype}) is no "
-                    "longer a view of the flat buffer the sharded masters all-gather the updated "
-                    "weights into: its storage was replaced after distamp.wrap (by "
-                    "model.to(memory_format=...), .to(dtype/device) or an assignment to .data), "
-                    "so it would stop training. Expected such conversions before distamp.wrap "
-                    "(sharded masters keep the weights contiguous, so a channels_last format is "
-                    "not kept), or shard_master_weights=False"
-                    + (
-                        "; with overlap_gather a copy after the first step is refused too (it "
-                        "may hold half-gathered weights): move the model before training"
-                        if self.left_in_flight
-                        else ""
-                    )
+                if not (same and p.is_contiguous()):
+                    yield flat, r, p
+
+    def check_views(self, names: dict[int, str]) -> None:
+        """Every sharded weight must still be the view of its group's flat buffer that
+        :meth:`after_cast` made it, or the all-gather of the updated weights misses it and it
+        silently stops training. A conversion after ``wrap`` (``model.to(memory_format=...)``,
+        ``.to(dtype)``, an assignment to ``.data``) gives it new storage: refused, by name, before
+        the step changes anything."""
+        for _, _, p in self._not_in_place():
+            raise ValueError(
+                f"parameter {names.get(id(p), '?')!r} ({tuple(p.shape)}, {p.dtype}) is no "
+                "longer a view of the flat buffer the sharded masters all-gather the updated "
+                "weights into: its storage was replaced after distamp.wrap (by "
+                "model.to(memory_format=...), .to(dtype/device) or an assignment to .data), "
+                "so it would stop training. Expected such conversions before distamp.wrap "
+                "(sharded masters keep the weights contiguous, so a channels_last format is "
+                "not kept), or shard_master_weights=False"
+                + (
+                    "; with overlap_gather a copy after the first step is refused too (it "
+                    "may hold half-gathered weights): move the model before training"
+                    if self.left_in_flight
+                    else ""
                 )
+            )
 
     def _fill_shard_grad(
         self, g: int, params: list[nn.Parameter], *, keep_reduced: bool = True

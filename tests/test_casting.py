@@ -187,6 +187,20 @@ def test_a_wrapped_model_pickles_and_its_copy_keeps_the_forward(level):
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def test_pickling_or_copying_the_wrapped_optimizer_says_to_save_its_state_dict():
+    """torch pickles an optimizer as defaults, state and param_groups: a deepcopy lost the FP32
+    masters and its step raised AttributeError, pickle failed with "not the same object as
+    torch.optim.adamw.AdamW" (an audit). Refused, naming what to save instead."""
+    import pickle
+
+    model, opt = wrapped("O2", torch.bfloat16)
+    for copy_it in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(TypeError, match=r"expected its optimizer\.state_dict\(\)"):
+            copy_it(opt)
+    state = copy.deepcopy(opt.state_dict())  # the documented road works
+    assert torch.equal(state["distamp"]["masters"][0], opt.state_dict()["distamp"]["masters"][0])
+
+
 def test_an_ema_copy_made_after_o2_wrap_moves_when_updated_through_its_state_dict():
     """timm's ModelEmaV2/V3 pattern: deepcopy after wrap, then write ``ema.state_dict()`` in
     place from ``model.state_dict()``. The copy used to report FP32 copies of its half tensors

@@ -212,6 +212,10 @@ def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
     return None if grad is None else (id(grad), grad._version)
 
 
+# Never traced: a compiled ``optimizer.step`` (torch's recipe) let Inductor fold the round trip
+# ``master.to(half).to(value.dtype)`` away, every element then compared as written and the FP32
+# masters were replaced by the half weights each step, silently (an audit).
+@torch.compiler.disable
 def merge_loaded(
     master: torch.Tensor, value: torch.Tensor, half: torch.dtype, *, written: bool
 ) -> torch.Tensor:

@@ -213,6 +213,19 @@ class AmpOptimizer(torch.optim.Optimizer):
     # inner class's step, which is hooked already). Mark it as hooked so torch leaves it alone.
     step.hooked = True  # type: ignore[attr-defined]
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: torch pickles an optimizer as its defaults, state and param_groups only, so a
+        copy lost the FP32 masters, the loss scalers and the process group (``copy.deepcopy``
+        made an optimizer whose step raised AttributeError; ``pickle``/``torch.save`` of it failed
+        with "not the same object as torch.optim.adamw.AdamW"; an audit)."""
+        raise TypeError(
+            f"pickling or copying the {type(self).__name__} that distamp.wrap returned: expected "
+            "its optimizer.state_dict() (plain tensors with the FP32 masters and loss scales; "
+            "restore with optimizer.load_state_dict) or distamp.save_checkpoint(path, model, "
+            "optimizer), found the optimizer object itself, whose FP32 masters, loss scalers "
+            "and process group a pickle or copy does not carry"
+        )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add model parameters after wrap (apex supported it): they get FP32 masters, are unscaled
         and checked for inf/NaN like the others. Call it on every rank (with sharded masters the new

@@ -560,18 +560,32 @@ class ScalerGroup:
         all-reduce compare the settings; every rank reads the same result, so all raise."""
         if high == -neg_low:
             return
-        opt = st.optimizer()
-        mine = [
-            {k: v for k, v in g.items() if k in ("lr", "betas", "momentum", "weight_decay")}
-            for g in (opt.param_groups if opt is not None else [])
-        ]
+        # Every rank is here (all read the same reduced numbers): one more collective names
+        # the settings that differ and each rank's value of them.
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        gathered: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(gathered, st.settings(), group=group)
+        found = []
+        if len({len(groups) for groups in gathered}) > 1:
+            counts = ", ".join(f"rank {r}: {len(g)}" for r, g in zip(ranks, gathered, strict=True))
+            found.append(f"different numbers of param groups ({counts})")
+        for g, numbers in enumerate(gathered[0]):
+            for key in numbers:
+                seen = [groups[g].get(key) if g < len(groups) else None for groups in gathered]
+                if any(value != seen[0] for value in seen):
+                    shown = ", ".join(
+                        f"rank {r}: {v[0] if v is not None and len(v) == 1 else v}"
+                        for r, v in list(zip(ranks, seen, strict=True))[:8]
+                    )
+                    found.append(f"param_groups[{g}][{key!r}] ({shown})")
         raise RuntimeError(
             "optimizer.step(): expected the optimizer's settings (lr, betas, momentum, "
-            "weight_decay, ... of every param group) to be the same on every rank, found them "
-            f"different (this rank, {self.rank}: {mine[:4]}). The usual cause: a scheduler "
-            "stepped with a value of each rank's own (ReduceLROnPlateau on the local loss) — "
-            "step it with a value every rank agrees on (an all-reduced loss); or a setting "
-            "changed on some ranks only"
+            "weight_decay, ... of every param group) to be the same on every rank, found "
+            f"{'; '.join(found[:4]) or 'them different'} (raised on rank {self.rank}). The "
+            "usual cause: a scheduler stepped with a value of each rank's own (ReduceLROnPlateau "
+            "on the local loss) — step it with a value every rank agrees on (an all-reduced "
+            "loss); or a setting changed on some ranks only"
         )
 
     def _refuse_parted_replicas(

@@ -178,3 +178,5 @@ def test_settings_that_part_between_ranks_are_refused_on_every_rank(shard):
     assert results[0] is not None and results[0][0] == results[1][0], results
     for _, message in results:
         assert "settings (lr, betas" in message and "to be the same on every rank" in message
+        # which setting, and every rank's value of it (an audit had to diff the ranks' logs)
+        assert "param_groups[0]['lr'] (rank 0: 0.01, rank 1: 0.005)" in message, message

@@ -91,19 +91,27 @@ class AmpOptimizerState:
         """Inside ``step()``: an optimizer nested in the wrapped one may step (see
         :class:`NestedStepGuard`)."""
 
-    def hyperparameter_fingerprint(self) -> torch.Tensor:
-        """``[h, -h]``: a hash of every param group's numeric settings (lr, betas, weight_decay,
-        momentum, ...), for the skip decision's MAX all-reduce to compare across ranks (see
-        [Note: settings that part between ranks] in scaler.py)."""
+    def settings(self) -> list[dict[str, list[float]]]:
+        """Every param group's numeric settings (lr, betas, weight_decay, momentum, ...) by key,
+        NaNs left out (one would never compare equal): what ranks must agree on."""
         opt = self.optimizer()
-        h = 0.0
-        for g, group in enumerate(opt.param_groups if opt is not None else []):
-            values: list[float] = []
+        out = []
+        for group in opt.param_groups if opt is not None else []:
+            numbers: dict[str, list[float]] = {}
             for key in sorted(k for k in group if k not in ("params", "param_names")):
                 value = group[key]
                 items = value if isinstance(value, (tuple, list)) else (value,)
-                numbers = [float(v) for v in items if isinstance(v, (bool, int, float))]
-                values += [v for v in numbers if math.isfinite(v)]  # a NaN would never compare
+                floats = [float(v) for v in items if isinstance(v, (bool, int, float))]
+                numbers[key] = [v for v in floats if math.isfinite(v)]
+            out.append(numbers)
+        return out
+
+    def hyperparameter_fingerprint(self) -> torch.Tensor:
+        """``[h, -h]``: a hash of :meth:`settings`, for the skip decision's MAX all-reduce to
+        compare across ranks (see [Note: settings that part between ranks] in scaler.py)."""
+        h = 0.0
+        for g, numbers in enumerate(self.settings()):
+            values = [v for key in numbers for v in numbers[key]]
             for i, v in enumerate(values):  # weights from the golden ratio: no two alike
                 h += v * (1.0 + ((g * 97 + i + 1) * 0.6180339887498949) % 1.0)
         return torch.tensor([h, -h], dtype=torch.float64)

@@ -448,7 +448,10 @@ class ScalerGroup:
         on one rank: that rank skipped, the others stepped, the replicas drifted apart), the
         masters stayed replicated and no rank-agreement check ran — silently (an audit). Every
         rank raises here, at its first scale_loss or step, with no collective."""
-        if self.process_group is not None or not (dist.is_available() and dist.is_initialized()):
+        if self.process_group is not None:
+            self.refuse_destroyed_group()
+            return
+        if not (dist.is_available() and dist.is_initialized()):
             return
         world = dist.get_world_size()
         if world > 1:
@@ -461,6 +464,23 @@ class ScalerGroup:
                 "for a model each rank trains alone, pass process_group=a one-rank group "
                 "(dist.new_subgroups(group_size=1)[0])"
             )
+
+    def refuse_destroyed_group(self, what: str = "distamp") -> None:
+        """A notebook or sweep that destroys the process group and initializes a new one, then
+        steps (or saves) the model wrapped on the old group got torch's "Process group <object at
+        0x...> is not initialized in the world group map" (an audit): named here instead."""
+        if self.process_group is None:
+            return
+        try:
+            dist.get_backend(self.process_group)
+        except (ValueError, RuntimeError) as err:
+            raise RuntimeError(
+                f"{what}: expected the process group distamp.wrap trained this model on to be "
+                "alive, found it destroyed (torch.distributed.destroy_process_group() since "
+                "wrap); a wrapped model and optimizer stay bound to their group: after "
+                "init_process_group again, wrap a freshly built model and optimizer (and "
+                "load_checkpoint into them to continue)"
+            ) from err
 
     # -- step ------------------------------------------------------------------------------------
 

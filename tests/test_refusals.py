@@ -446,3 +446,39 @@ def test_optimizer_load_state_dict_refuses_before_changing_anything(damage, patt
     for key, state in before["state"].items():
         for name, value in state.items():
             assert torch.equal(after["state"][key][name], value), (key, name)
+
+
+def _step_after_the_group_is_replaced(rank, world, init_file):
+    import torch.distributed as dist
+
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    with distamp.scale_loss(model(torch.randn(2, 8)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    dist.destroy_process_group()  # a notebook or sweep starting over
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    messages = []
+    for use in (
+        lambda: distamp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt).__enter__(),
+        lambda: distamp.save_checkpoint(init_file + ".ck", model, opt),
+    ):
+        try:
+            use()
+        except RuntimeError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_model_wrapped_on_a_destroyed_process_group_says_so(tmp_path):
+    """After destroy_process_group() and a new init_process_group, stepping or saving the old
+    wrapped model raised torch's "Process group <object at 0x...> is not initialized in the
+    world group map" (an audit)."""
+    for messages in run_ranks(_step_after_the_group_is_replaced, 2, str(tmp_path / "init2")):
+        assert len(messages) == 2, messages
+        for message in messages:
+            assert "found it destroyed (torch.distributed.destroy_process_group()" in message, (
+                message
+            )
+        assert messages[1].startswith("save_checkpoint:")

@@ -91,6 +91,7 @@ class _Target:
         first = next((v.st for v in self.views if v.st is not None), None)
         self.scaler_group = first.group if first is not None else None
         if self.scaler_group is not None:
+            self.scaler_group.refuse_destroyed_group(what)
             self.props = self.scaler_group.props.as_plain_dict()
             self.pg = self.scaler_group.process_group
         else:

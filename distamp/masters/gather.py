@@ -266,9 +266,11 @@ class WeightGather:
                 last = (start + param.numel() - 1) // (layout.block * self.world)
                 needed[g] = max(needed.get(g, 0), min(last, len(layout.rounds) - 1) + 1)
             if needed:
-                handles.append(
-                    sub.register_forward_pre_hook(_outside_compile(_RoundWaiter)(self, needed))
-                )
+                # First among the module's pre-hooks: the old weight_norm/spectral_norm and prune
+                # compute the weight in one registered before wrap, and read half-gathered
+                # weights when this wait ran after them (a race, found by an audit).
+                waiter = _outside_compile(_RoundWaiter)(self, needed)
+                handles.append(sub.register_forward_pre_hook(waiter, prepend=True))
             # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
             own = any(p is not None and id(p) in where for p in sub._parameters.values())
             if sub is not module and (needed or own):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -369,14 +370,25 @@ def fully_shard(
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )
+    from .wrap import _states_of, _warn_about_eps
+
+    _warn_about_eps([optimizer], props, "distamp.fsdp.fully_shard")
+    if on_meta and device_type == "cpu":
+        warnings.warn(
+            "distamp.fsdp.fully_shard: a model on the meta device, sharded over CPU ranks: "
+            "torch's DTensor random ops have no distributed RNG on CPU, so a random "
+            "initialization after model.to_empty(device='cpu') draws every rank's shard from the "
+            "same stream (the shards of a weight come out identical; torch warns 'DTensor random "
+            "operators may not have complete support on cpu device mesh'). Expected on CPU: "
+            "build the model on the CPU (not meta), or load its weights after to_empty",
+            stacklevel=2,
+        )
     old_names = {id(p): n for n, p in model.named_parameters()}
     # FSDP shards each rank's own weights: rank 0's become everyone's first, as DDP would do.
-    from .wrap import _states_of
-
     # [Note: meta-device models under FSDP] torchtitan's habit for models larger than one rank:
     # build the model on the meta device, shard it, then ``model.to_empty(device=...)`` and
-    # initialize the weights, each rank its own shard (DTensor's random ops keep the ranks'
-    # shards parts of one tensor). FSDP's sharded FP32 parameters are the masters here, so there
+    # initialize the weights, each rank its own shard (on GPUs DTensor's random ops keep the
+    # ranks' shards parts of one tensor; on CPU they do not: warned above). FSDP's sharded FP32 parameters are the masters here, so there
     # is nothing to copy at this point: the policies, the FP32 norm units and the scaler are
     # set up on the meta parameters, to_empty keeps the parameter objects (the optimizer's
     # references stay valid), and the weights are whatever the initialization writes — rank

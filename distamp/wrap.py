@@ -401,7 +401,9 @@ def _stepped_state(state: Any) -> bool:
     return step is None or float(step) > 0
 
 
-def _warn_about_eps(optimizers: list[torch.optim.Optimizer], props: Properties) -> None:
+def _warn_about_eps(
+    optimizers: list[torch.optim.Optimizer], props: Properties, what: str = "distamp.wrap"
+) -> None:
     """Without FP32 masters the optimizer steps fp16 weights with fp16 state: an ``eps`` below
     fp16's smallest subnormal (6e-8; Adam's default 1e-8) is 0 there, and Adam divides by 0 as
     soon as a squared gradient underflows (seen on a GPT-2 under O3: every weight inf by step 2)."""
@@ -412,7 +414,7 @@ def _warn_about_eps(optimizers: list[torch.optim.Optimizer], props: Properties) 
             eps = group.get("eps")
             if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=torch.float16) == 0:
                 warnings.warn(
-                    f"distamp.wrap: optimizer {i} param_groups[{g}]['eps'] = {eps:g} rounds to 0 in "
+                    f"{what}: optimizer {i} param_groups[{g}]['eps'] = {eps:g} rounds to 0 in "
                     f"float16, which opt_level {props.opt_level} steps the weights in (no FP32 "
                     "masters): expected eps >= 6e-8 (1e-4 is common for fp16 Adam), or O2 (FP32 "
                     "masters), or bf16",

@@ -90,10 +90,15 @@ def moe_run(rank, world, mode, per_rank_seed=False, steps=6):
     model.blocks[0].norm.register_forward_hook(
         lambda m, args, out: norm_dtypes.append((m.weight.dtype, args[0].dtype, out.dtype))
     )
-    if mode.startswith("fsdp"):
+    if mode == "fsdp, meta device":
+        # On CPU ranks a random init after to_empty would give every rank the same shard
+        # (torch's DTensor RNG is GPU-only): said at fully_shard (an audit); loading is fine.
+        with pytest.warns(UserWarning, match="draws every rank's shard from the same stream"):
+            model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+        materialize(model)
+    elif mode.startswith("fsdp"):
         model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
-        if mode == "fsdp, meta device":
-            materialize(model)
+    if mode.startswith("fsdp"):
         train_model = model
         units = [type(m).__name__ for m in model.blocks[0].experts]
     else:
@@ -332,3 +337,43 @@ def test_blocks_that_name_norm_layers_train_like_the_default(spec):
     default = run_ranks(_blocks_naming_norms, 2, "default")
     assert run_ranks(_blocks_naming_norms, 2, spec) == default
     assert default[0][-1] < default[0][0]
+
+
+def _o3_fp16_eps(rank, world):
+    model = MoENet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # eps=1e-8: 0 in fp16
+    with pytest.warns(UserWarning, match=r"fully_shard: optimizer 0 param_groups\[0\]\['eps'\]"):
+        distamp.fsdp.fully_shard(model, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+
+
+def test_o3_fp16_with_an_eps_that_rounds_to_zero_is_warned_about_as_wrap_does():
+    """FSDP's O3 steps fp16 weights with fp16 AdamW state: eps=1e-8 is 0 there and every weight
+    was inf after the first step, with no warning (wrap gives one; an audit)."""
+    run_ranks(_o3_fp16_eps, 2)
+
+
+def _torch_state_dict_helpers(rank, world):
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = MoENet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    x, y = batch(0, rank, world)
+    with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    state = get_optimizer_state_dict(model, opt)
+    with pytest.raises(ValueError) as info:
+        set_optimizer_state_dict(model, opt, state)
+    return str(info.value)
+
+
+def test_torch_s_optimizer_state_dict_helpers_are_named_in_the_refusal():
+    """FSDP's idiom get/set_optimizer_state_dict keeps only torch's entries; the refusal said
+    "saved by apex or a plain run?" and pointed to wrap, which FSDP users never call (an audit)."""
+    for message in run_ranks(_torch_state_dict_helpers, 2):
+        assert "set_optimizer_state_dict (FSDP's idiom)" in message, message
+        assert "distamp.save_checkpoint/load_checkpoint" in message

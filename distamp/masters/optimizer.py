@@ -407,8 +407,12 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
     if extra is None:
         raise ValueError(
             f"{where}: expected a state dict saved from a distamp-wrapped optimizer (with a "
-            "'distamp' entry), got one without it (saved by apex or a plain run?): load it into "
-            "the optimizer before distamp.wrap / amp.initialize, which keeps its state"
+            "'distamp' entry), got one without it. Saved by apex or a plain run? Load it into "
+            "the optimizer before distamp.wrap / amp.initialize, which keeps its state. Through "
+            "torch.distributed.checkpoint.state_dict's get_optimizer_state_dict/"
+            "set_optimizer_state_dict (FSDP's idiom)? They keep only torch's entries and drop "
+            "the FP32 masters (replicated O2) and the loss scales: save and load with "
+            "distamp.save_checkpoint/load_checkpoint (DCP files, any world size)"
         )
     mine, theirs = _shard_of(st), extra.get("shard")
     if "shard" in extra and mine != theirs:  # (state dicts of distamp 0.1 do not say)

@@ -11,6 +11,7 @@ runs at world 2 under O1 and O2 (nanoGPT also with the reduce-scatter hook) and 
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -257,21 +258,29 @@ def _rank0_saves_optimizer(rank, world, path, shard):
         scaled.backward()
     optimizer.step()
     optimizer.zero_grad()
+    warned = []
     if rank == 0:
-        torch.save({"optimizer": optimizer.state_dict()}, path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.save({"optimizer": optimizer.state_dict()}, path)
+        warned = [str(w.message) for w in caught if "optimizer.state_dict()" in str(w.message)]
     torch.distributed.barrier()
     checkpoint = torch.load(path, weights_only=True)
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except ValueError as exc:
-        return str(exc)
-    return "loaded"
+        return str(exc), warned
+    return "loaded", warned
 
 
 def test_rank0_optimizer_state_dict_is_refused_on_every_rank_with_sharded_masters(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     results = run_ranks(_rank0_saves_optimizer, 2, path, True, timeout=120)
-    for message in results:  # no hang, no silent mix of shards: every rank raises, naming rank 1
+    for message, _ in results:  # no hang, no silent mix of shards: every rank raises, naming rank 1
         assert "rank 1: optimizer.load_state_dict: the state dict holds rank 0's shard" in message
         assert "distamp.save_checkpoint" in message
-    assert run_ranks(_rank0_saves_optimizer, 2, path, False, timeout=120) == ["loaded"] * 2
+    # ... and the save itself says so, when the other shards can still be saved (an audit)
+    (warned,) = results[0][1]
+    assert "holds this rank's shard" in warned and "cannot be resumed" in warned, warned
+    replicated = run_ranks(_rank0_saves_optimizer, 2, path, False, timeout=120)
+    assert replicated == [("loaded", []), ("loaded", [])]

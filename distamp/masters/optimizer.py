@@ -31,6 +31,7 @@ from ..forensics import NonFiniteReport
 from ..optstate import OptState
 from .base import grad_version
 from .rounds import PER_PARAMETER, round_step, step_in_rounds
+from .sharded import ShardedMasterParams
 
 if TYPE_CHECKING:
     from ..scaler import Backward, ScalerGroup
@@ -69,6 +70,7 @@ class AmpOptimizerState:
         """(parameter, grad_version) of every model gradient at the end of the last scale_loss
         block: see [Note: scaled gradients touched before step()]."""
         self.warned_touched_scaled = False
+        self.warned_shard_state_dict = False
         self.unscaled_shards: list[tuple[int, int] | None] | None = None
         """With sharded masters, grad_version of the shard slices right after a public unscale_
         (see [Note: clipping what param_groups hold] in sharded.py)."""
@@ -341,6 +343,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         """
         st = self._distamp
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
+        shard = _shard_of(st)
+        by_wrap = isinstance(st.masters, ShardedMasterParams)  # (FSDP's are FSDP's own habit)
+        if by_wrap and shard is not None and shard["world_size"] > 1:
+            _warn_state_dict_is_a_shard(st, shard)
         out = super().state_dict()
         out["distamp"] = {
             "masters": [m.detach().clone() for m in st.masters.master_tensors()],
@@ -348,7 +354,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             "skipped_steps": st.skipped_steps,
             "scalers": [s.state_dict() for s in st.group.scalers],
             "properties": st.group.props.as_plain_dict(),
-            "shard": _shard_of(st),
+            "shard": shard,
         }
         return out
 
@@ -400,6 +406,25 @@ def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:
     rank = dist.get_rank(group) if group is not None else 0
     # The block size fixes which elements a rank's shard holds ([Note: block-cyclic shards]).
     return {"rank": rank, "world_size": world, "block": int(getattr(st.masters, "block", 0))}
+
+
+def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) -> None:
+    """Once per optimizer: nanoGPT, timm, Lightning and accelerate save rank 0's state dict
+    alone, and the other ranks' shards were lost unnoticed until the resume was refused (an
+    audit)."""
+    if st.warned_shard_state_dict:
+        return
+    st.warned_shard_state_dict = True
+    warnings.warn(
+        f"optimizer.state_dict() on rank {shard['rank']}: it holds this rank's shard of the FP32 "
+        f"masters and optimizer state only (1 of {shard['world_size']}; sharded masters are "
+        "O2's default across ranks), so a checkpoint rank 0 saves alone cannot be resumed: the "
+        "other ranks' shards are not in it. Expected distamp.save_checkpoint(path, model, "
+        "optimizer) on every rank (any world size on resume), or every rank saving and loading "
+        "its own state_dict at the same world size, or wrap(..., shard_master_weights=False) "
+        "(rank 0's is everyone's)",
+        stacklevel=3,
+    )
 
 
 def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None:

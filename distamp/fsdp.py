@@ -388,11 +388,11 @@ def fully_shard(
     # [Note: meta-device models under FSDP] torchtitan's habit for models larger than one rank:
     # build the model on the meta device, shard it, then ``model.to_empty(device=...)`` and
     # initialize the weights, each rank its own shard (on GPUs DTensor's random ops keep the
-    # ranks' shards parts of one tensor; on CPU they do not: warned above). FSDP's sharded FP32 parameters are the masters here, so there
-    # is nothing to copy at this point: the policies, the FP32 norm units and the scaler are
-    # set up on the meta parameters, to_empty keeps the parameter objects (the optimizer's
-    # references stay valid), and the weights are whatever the initialization writes — rank
-    # 0's are not broadcast (there are none yet).
+    # ranks' shards parts of one tensor; on CPU they do not: warned above). FSDP's sharded FP32
+    # parameters are the masters here, so there is nothing to copy at this point: the policies,
+    # the FP32 norm units and the scaler are set up on the meta parameters, to_empty keeps the
+    # parameter objects (the optimizer's references stay valid), and the weights are whatever
+    # the initialization writes — rank 0's are not broadcast (there are none yet).
     if not on_meta:
         broadcast_from_rank0_(_states_of([model]), group)
 

@@ -527,7 +527,7 @@ class ScalerGroup:
             if self.process_group is not None:  # see [Note: settings that part between ranks]
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
-            if self.process_group is not None:
+            if self.process_group is not None and self.world > 1:
                 replicas = st.masters.replica_fingerprint()
                 if replicas is not None:
                     parts.append(replicas.to(device, torch.float64))
@@ -618,14 +618,17 @@ class ScalerGroup:
         if check_grads and hashes[2] != -hashes[3]:
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             raise RuntimeError(
-                "optimizer.step(): expected the model's gradients identical on every rank the FP32 "
-                f"masters are sharded over (ranks {dist.get_process_group_ranks(group)}, "
-                "distamp.wrap's process_group), as DDP's all-reduce leaves them, found them "
-                "different: each rank would step its shard with gradients the others never saw. "
-                "The usual cause: a DistributedDataParallel built over another process group "
-                "than wrap's (pass the same group to distamp.wrap(..., process_group=...) and to "
-                "DDP); or no DDP (no all-reduce) at all, or a parameter DDP does not reduce (frozen "
-                "when DDP was built: rebuild DDP after unfreezing)"
+                "optimizer.step(): expected the model's gradients identical on every rank of "
+                f"distamp.wrap's process_group (ranks {dist.get_process_group_ranks(group)}), as "
+                "DDP's all-reduce leaves them, found them different: each rank would step with "
+                "gradients the others never saw and the ranks' weights would part. The usual "
+                "causes: DistributedDataParallel built before distamp.wrap (O2/O3 cast the "
+                "weights in place, so DDP's gradient hooks never fire: wrap first, then DDP); a "
+                "DDP over another process group than wrap's (pass the same group to "
+                "distamp.wrap(..., process_group=...) and to DDP); no DDP (no all-reduce) at "
+                "all; or a parameter DDP does not reduce (frozen when DDP was built: rebuild DDP "
+                "after unfreezing). Ranks that train apart on purpose: wrap with process_group="
+                "a one-rank group (dist.new_subgroups(group_size=1)[0])"
             )
         if not weights_differ:
             return

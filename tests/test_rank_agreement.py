@@ -180,3 +180,34 @@ def test_settings_that_part_between_ranks_are_refused_on_every_rank(shard):
         assert "settings (lr, betas" in message and "to be the same on every rank" in message
         # which setting, and every rank's value of it (an audit had to diff the ranks' logs)
         assert "param_groups[0]['lr'] (rank 0: 0.01, rank 1: 0.005)" in message, message
+
+
+def _ddp_before_wrap(rank, world, level):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ddp = DDP(model)  # an existing script's DDP line, with wrap added after it
+    model, opt = distamp.wrap(model, opt, opt_level=level, shard_master_weights=False, verbosity=0)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_ddp_built_before_wrap_is_refused_with_replicated_weights(level):
+    """O2/O3 cast the weights in place, so DDP's gradient hooks (on the FP32 weights) never
+    fired: each rank stepped its own gradients and the replicas drifted apart (4.4e-2 after 3
+    steps), silently (an audit). The skip decision's all-reduce compares a gradient sample."""
+    for message in run_ranks(_ddp_before_wrap, 2, level, timeout=90):
+        assert (
+            message is not None and "DistributedDataParallel built before distamp.wrap" in message
+        )

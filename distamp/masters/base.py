@@ -212,6 +212,33 @@ def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
     return None if grad is None else (id(grad), grad._version)
 
 
+def grad_samples(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The first few values of every parameter's gradient (FP32 copies; zeros for none, or a
+    sparse one, whose rows come in any order): what must be identical on every rank after
+    DDP's all-reduce, for the skip decision's all-reduce to compare (see
+    ``ShardedMasterParams.replica_fingerprint``)."""
+    out = []
+    for p in params:
+        g = p.grad
+        if g is None or g.layout != torch.strided:
+            out.append(torch.zeros(min(4, p.numel()), device=p.device))
+        else:
+            out.append(g.detach().reshape(-1)[:4].float())
+    return out
+
+
+def bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``[h, -h]``, a hash of the bits of ``tensors`` (as float32); zeros for none."""
+    if not tensors:
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        bits = torch.cat([t.float() for t in tensors]).view(torch.int32).to(torch.int64)
+        position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+        # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
+        h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
+    return torch.stack([h, -h])
+
+
 # Never traced: a compiled ``optimizer.step`` (torch's recipe) let Inductor fold the round trip
 # ``master.to(half).to(value.dtype)`` away, every element then compared as written and the FP32
 # masters were replaced by the half weights each step, silently (an audit).

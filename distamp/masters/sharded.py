@@ -47,7 +47,7 @@ from torch import nn
 
 from ..collectives import all_reduce_
 from ..config import HALF_DTYPES
-from .base import ModelGrads, grad_version, merge_loaded
+from .base import ModelGrads, bit_hash, grad_samples, grad_version, merge_loaded
 from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .gather import WeightGather
 from .layout import BLOCK, GroupLayout, Interval, ParamRange, slice_state
@@ -510,16 +510,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
         sampled: list[torch.Tensor] = []
         if not self.staging_hooks:
-            for layout in self.groups:
-                for p in layout.params:
-                    g = p.grad
-                    # A sparse gradient's rows come in any order: left out (zeros).
-                    if g is None or g.layout != torch.strided:
-                        sampled.append(torch.zeros(min(4, p.numel()), device=p.device))
-                    else:
-                        sampled.append(g.detach().reshape(-1)[:4].float())
+            sampled = grad_samples([p for layout in self.groups for p in layout.params])
         device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
-        return torch.cat([_bit_hash(kept, device), _bit_hash(sampled, device)])
+        return torch.cat([bit_hash(kept, device), bit_hash(sampled, device)])
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""
@@ -615,15 +608,3 @@ def _device(params: Sequence[nn.Parameter]) -> torch.device:
     for p in params:
         return p.device
     return torch.device("cpu")
-
-
-def _bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``[h, -h]``, a hash of the bits of ``tensors`` (as float32); zeros for none."""
-    if not tensors:
-        return torch.zeros(2, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        bits = torch.cat([t.float() for t in tensors]).view(torch.int32).to(torch.int64)
-        position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-        # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
-        h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
-    return torch.stack([h, -h])

@@ -460,3 +460,28 @@ def test_a_sparse_embedding_bucket_reduces_with_either_hook(hook_name):
                 torch.testing.assert_close(sparse, sparse_ref, rtol=1e-2, atol=1e-3)
             for got, want in zip(dense, dense_ref, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def _register_per_rank_and_disabled(rank, world):
+    model = mlp()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
+    ddp = DDP(model)
+    try:  # arguments read per rank hung the first backward (an audit)
+        distamp.hooks.register(ddp, opt, reduce_scatter=(rank == 0))
+        message = None
+    except ValueError as err:
+        message = str(err)
+    plain = mlp()
+    plain, plain_opt = distamp.wrap(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1), opt_level="O2", enabled=False
+    )
+    state = distamp.hooks.register(DDP(plain), plain_opt, reduce_scatter=True, overlap_gather=True)
+    state.finish_gather()  # README's overlap_gather script, run with its "no amp" switch
+    return message, state.buckets_reduced
+
+
+def test_register_with_arguments_that_differ_between_ranks_raises_on_every_rank():
+    for message, reduced in run_ranks(_register_per_rank_and_disabled, 2, timeout=90):
+        assert message is not None and "distamp.hooks.register" in message
+        assert "reduce_scatter" in message, message
+        assert reduced == 0  # enabled=False: nothing registered, the state unused

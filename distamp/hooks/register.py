@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import backend_device
+from ..collectives import backend_device, check_same_on_all_ranks
 from ..config import disabled_properties
 from ..masters.optimizer import AmpOptimizer, inner_optimizer
 from ..masters.sharded import ShardedMasterParams
@@ -26,7 +26,7 @@ def register(
     reduce_scatter: bool = False,
     overlap_gather: bool = False,
     gather_dtype: torch.dtype | None = None,
-) -> CompressState | None:
+) -> CompressState:
     """Register distamp's compression hook on ``ddp_model`` for ``optimizer``'s opt_level.
 
     Picks the wire dtype: O0/O1 (FP32 gradients) are compressed to the half dtype; O2/O3 (half
@@ -54,8 +54,10 @@ def register(
     rank, each update rounded to bf16 as a bf16 gradient wire rounds the gradient (see [Note:
     16-bit updates of FP32 weights]). None (the default): the exact FP32 weights.
 
-    A collective over the group (the dtype probe). Returns the hook's state (bytes on the wire,
-    buckets reduced), or None when ``optimizer`` was wrapped with ``enabled=False``.
+    A collective over the group (the arguments compared, the dtype probe). Returns the hook's
+    state (bytes on the wire, buckets reduced); when ``optimizer`` was wrapped with
+    ``enabled=False`` nothing is registered and an unused state comes back (its
+    ``finish_gather()`` does nothing).
     """
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -69,11 +71,16 @@ def register(
         )
     optimizer = inner_optimizer(optimizer) or optimizer  # an optimizer wrapper (apex's LARC)
     if disabled_properties(optimizer) is not None:
-        return None
+        # Registers nothing, as if distamp were not there; the state is returned all the same,
+        # so a script calling state.finish_gather() runs with its "no amp" switch (an audit).
+        return CompressState(process_group=ddp_model.process_group)
     if not isinstance(optimizer, AmpOptimizer):
         raise TypeError(
             f"distamp.hooks.register: optimizer ({type(optimizer).__name__}) was not returned by "
-            "distamp.wrap: expected the optimizer from `model, optimizer = distamp.wrap(...)`"
+            "distamp.wrap: expected the optimizer from `model, optimizer = distamp.wrap(...)`; "
+            "with torch.autocast and distamp.GradScaler (no wrap) register a plain hook instead: "
+            "ddp_model.register_comm_hook(None, distamp.hooks.bf16_compress_hook) (or "
+            "fp16_compress_hook)"
         )
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
@@ -94,6 +101,18 @@ def register(
             "the model distamp.wrap returned with this optimizer"
         )
     group = process_group if process_group is not None else ddp_model.process_group
+    # Arguments read per rank (reduce_scatter=(rank == 0)) hung the first backward: one rank
+    # reduce-scattered while the other all-reduced (an audit).
+    check_same_on_all_ranks(
+        "distamp.hooks.register",
+        [
+            ("dtype", repr(dtype)),
+            ("reduce_scatter", repr(reduce_scatter)),
+            ("overlap_gather", repr(overlap_gather)),
+            ("gather_dtype", repr(gather_dtype)),
+        ],
+        group,
+    )
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
     sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1

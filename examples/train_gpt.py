@@ -336,17 +336,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path) -> None:
-    """--ckpt-dir must be a directory this process can write (made if missing), checked before
-    training: an audit found a file or a read-only path refused only at the first save, after
-    every step had run."""
+def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--ckpt-dir") -> None:
+    """--ckpt-dir (and --run-dir) must be a directory this process can write (made if missing),
+    checked before training: an audit found a file or a read-only path refused only at the first
+    save, after every step had run (--run-dir: a traceback after the model was built)."""
     where = path
     while not where.exists() and where != where.parent:
         where = where.parent
     if where.exists() and not where.is_dir():
-        parser.error(f"--ckpt-dir {path}: expected a directory, found a file at {where}")
+        parser.error(f"{flag} {path}: expected a directory, found a file at {where}")
     if not os.access(where, os.W_OK | os.X_OK):
-        parser.error(f"--ckpt-dir {path}: expected a writable directory, {where} is not writable")
+        parser.error(f"{flag} {path}: expected a writable directory, {where} is not writable")
 
 
 def add_progress_arguments(
@@ -393,6 +393,8 @@ def check_progress_arguments(
         parser.error("--plot-every must be >= 0")
     run_dir = args.run_dir if args.run_dir is not None else f"runs/{run_name}"
     args.run_dir = None if run_dir == "none" else Path(run_dir)
+    if args.run_dir is not None:
+        check_ckpt_dir(parser, args.run_dir, "--run-dir")
 
 
 def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
@@ -711,7 +713,7 @@ class Progress:
             self.bar.set_postfix_str(
                 f"loss {loss:.4f} | scale {loss_scale:g} | skipped {skipped} | "
                 f"{tokens_per_s:.0f} tok/s",
-                refresh=False,
+                refresh=True,  # the bar was drawn by step() before: show this step's loss now
             )
         if self.plot_every and step % self.plot_every == 0 and step != self.total:
             self.plot()
@@ -912,7 +914,8 @@ def main() -> None:
             distamp.clip_grad_norm_(optimizer, args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        step_lr = scheduler.get_last_lr()[0]  # the rate this step trained at (an audit: the
+        scheduler.step()  # log showed the next step's)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - start)
@@ -928,7 +931,7 @@ def main() -> None:
                 loss=loss_sum.item(),
                 loss_scale=st.loss_scales[0],
                 skipped=st.skipped_steps,
-                lr=scheduler.get_last_lr()[0],
+                lr=step_lr,
                 step_s=step_times[-1],
             )
             if record:

@@ -155,6 +155,7 @@ def main() -> None:
             distamp.clip_grad_norm_(optimizer, args.clip)  # the global norm over all shards
         optimizer.step()  # skipped on every rank together if any shard held inf/NaN
         optimizer.zero_grad()
+        step_lr = scheduler.get_last_lr()[0]  # the rate this step trained at
         scheduler.step()
         times.append(time.perf_counter() - start)
         st = distamp.stats(optimizer)
@@ -167,7 +168,7 @@ def main() -> None:
                 loss=loss.item(),
                 loss_scale=st.loss_scales[0],
                 skipped=st.skipped_steps,
-                lr=scheduler.get_last_lr()[0],
+                lr=step_lr,
                 step_s=times[-1],
             )
             if record:

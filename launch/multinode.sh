@@ -40,7 +40,7 @@ IFACE=${IFACE:-}
 MAX_RESTARTS=${MAX_RESTARTS:-}
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --nnodes|--node-rank|--rdzv-id|--master|--nproc)
+        --nnodes|--node-rank|--rdzv-id|--master|--nproc|--iface|--max-restarts)
             [[ $# -ge 2 ]] || { echo "multinode.sh: $1 expects a value" >&2; exit 2; } ;;&
         --nnodes) NNODES=$2; shift 2 ;;
         --node-rank) NODE_RANK=$2; shift 2 ;;

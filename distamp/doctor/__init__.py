@@ -183,13 +183,24 @@ def compare_matmuls(
     """:func:`matmul_gflops` of each dtype, in ``rounds`` interleaved turns within about
     ``seconds``, the best turn of each: load that comes and goes then slows every dtype's worst
     turns, not one dtype's whole measurement (an audit on a busy machine: three runs, three
-    pieces of advice, each dtype timed in one stretch of its own)."""
+    pieces of advice, each dtype timed in one stretch of its own).
+
+    On the CPU with one thread (per core, as a training rank runs with ``--threads 1``): a
+    product split over every core waits for the slowest, and with other processes holding a core
+    every product stalled — an audit at a load of 5 on 2 cores measured fp32 at 2.1 GFLOP/s in
+    three of five runs and the advice flipped; one thread gets whole time slices."""
     best = dict.fromkeys((str(dt).removeprefix("torch.") for dt in dtypes), 0.0)
     per = max(0.005, seconds / (rounds * len(dtypes)))
-    for _ in range(rounds):
-        for dt in dtypes:
-            name = str(dt).removeprefix("torch.")
-            best[name] = max(best[name], matmul_gflops(dt, per, device))
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for _ in range(rounds):
+            for dt in dtypes:
+                name = str(dt).removeprefix("torch.")
+                best[name] = max(best[name], matmul_gflops(dt, per, device))
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 

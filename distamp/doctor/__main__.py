@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in facts["backends"].items())
     )
     print(
-        "cpu matmul   "
+        "cpu matmul   (one thread) "
         + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in facts["matmul_gflops"].items())
     )
     if facts["gpu_matmul_gflops"]:

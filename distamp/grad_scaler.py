@@ -56,6 +56,20 @@ class GradScaler:
     ) -> None:
         if not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
+        if enabled and isinstance(growth_factor, (int, float)) and growth_factor <= 1.0:
+            # torch's type and message (scripts written for torch.amp catch AssertionError)
+            raise AssertionError(
+                f"The growth factor must be > 1.0. (growth_factor={growth_factor})"
+            )
+        if enabled and isinstance(backoff_factor, (int, float)) and backoff_factor >= 1.0:
+            raise AssertionError(
+                f"The backoff factor must be < 1.0. (backoff_factor={backoff_factor})"
+            )
+        if not enabled:  # torch checks the factors only when enabled (a disabled one never
+            if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):  # uses them)
+                growth_factor = 2.0
+            if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+                backoff_factor = 0.5
         self._device = device
         self._enabled = bool(enabled)
         self._scaler = LossScaler(

@@ -463,3 +463,16 @@ def test_the_default_device_scales_wherever_the_gradients_are():
     machines, where torch's disables itself with a warning."""
     assert distamp.GradScaler().is_enabled()
     assert distamp.GradScaler("cuda").is_enabled()
+
+
+@pytest.mark.parametrize("kwargs", [{"growth_factor": 1.0}, {"backoff_factor": 1.0}])
+def test_bad_factors_raise_torchs_error_and_only_when_enabled(kwargs):
+    """README: the scaler raises where torch raises, with torch's messages; it raised ValueError
+    with its own (an audit). A disabled scaler takes them, as torch's does."""
+    with pytest.raises(AssertionError) as theirs:
+        torch.amp.GradScaler("cpu", **kwargs)
+    with pytest.raises(AssertionError) as ours:
+        distamp.GradScaler(**kwargs)
+    assert str(ours.value).startswith(str(theirs.value))
+    torch.amp.GradScaler("cpu", enabled=False, **kwargs)
+    assert not distamp.GradScaler(enabled=False, **kwargs).is_enabled()

@@ -54,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"optimizer {i}  {o['class']}, {o['steps']} steps, {o['skipped_steps']} skipped"
                 )
             print(f"loss scales  {', '.join(f'{s:g}' for s in info['loss_scales']) or '-'}")
-            print(f"on disk      {_mb(info['bytes_on_disk'])} in {len(info['files']) + 2} files")
+            # (+ the COMMIT marker and distamp.pt, counted in the bytes, not listed; an audit
+            # read "7 files" above 5 names)
+            print(
+                f"on disk      {_mb(info['bytes_on_disk'])} in {len(info['files']) + 2} files "
+                "(these and the COMMIT marker, distamp.pt)"
+            )
             for name, size in sorted(info["files"].items()):
                 print(f"  {name:<24} {_mb(size)}")
             if info["damaged"]:

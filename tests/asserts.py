@@ -1,4 +1,5 @@
-"""Exact comparison of nested state (tensors, dicts, lists, numbers) with a path in failures."""
+"""Exact comparison of nested state (tensors, dicts, lists, numbers) with a path in failures, and
+the error a step raises (what the refusal tests return from their ranks)."""
 
 import torch
 
@@ -20,3 +21,12 @@ def assert_same(a, b, path="state"):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def step_error(optimizer, exc=RuntimeError):
+    """The message of the ``exc`` that ``optimizer.step()`` raises on this rank; None if it stepped."""
+    try:
+        optimizer.step()
+    except exc as err:
+        return str(err)
+    return None

@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from asserts import step_error
 from dist_harness import run_ranks
 from models import mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -161,11 +162,7 @@ def _discard_on_one_rank(rank, world, only_block):
             model.zero_grad()  # this rank alone throws the micro-batch away
         with distamp.scale_loss(F.mse_loss(ddp(x2).float(), y2), opt) as scaled:
             scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return step_error(opt)
 
 
 @pytest.mark.parametrize(

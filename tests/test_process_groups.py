@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from asserts import step_error
 from dist_harness import run_ranks
 from models import data, mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -167,11 +168,7 @@ def _ddp_on_subgroups_without_register(rank, world, opt_level):
     x, y = data(1, 4, seed=rank // 2)[0]
     with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
         scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return step_error(opt)
 
 
 @pytest.mark.parametrize("opt_level", ["O0", "O2"])

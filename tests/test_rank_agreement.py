@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from asserts import step_error
 from dist_harness import run_ranks
 from models import mlp
 
@@ -195,11 +196,7 @@ def _ddp_before_wrap(rank, world, level):
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
     with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
         scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return step_error(opt)
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

@@ -311,6 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.ckpt_dir is not None:
         check_ckpt_dir(parser, args.ckpt_dir)
+    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
+        # Before any process group or model: a typo used to fail only in load_checkpoint.
+        parser.error(
+            f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "
+            + ("a file" if Path(args.resume).exists() else "nothing at that path")
+        )
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
     if not args.data_mb > 0:
@@ -495,16 +501,23 @@ def pick_opt_level(
     world_size: int = 1,
     *,
     fsdp: bool = False,
+    comm_hook: bool = True,
 ) -> tuple[str, str]:
     """(opt_level, why) for --opt-level auto: the fastest correct configuration for the machine
     (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks, or
-    under FSDP2 (``fsdp``: it shards the FP32 parameters and the optimizer state itself)."""
+    under FSDP2 (``fsdp``: it shards the FP32 parameters and the optimizer state itself). ``why``
+    says what goes on the wire: distamp's hooks, or DDP's own all-reduce (``comm_hook`` off)."""
     if requested != "auto":
         return requested, ""
     if fsdp:
         zero = f"FSDP2 shards the FP32 parameters and AdamW state over {world_size} rank(s)"
+    elif world_size > 1 and comm_hook:
+        zero = (
+            "across ranks FP32 masters sharded, gradients reduce-scattered into the shards, the "
+            "updated weights gathered while the next forward runs"
+        )
     elif world_size > 1:
-        zero = "across ranks FP32 masters sharded, gradients reduce-scattered into the shards"
+        zero = "across ranks FP32 masters sharded, DDP's own all-reduce (--no-comm-hook)"
     else:
         zero = "one rank: FP32 masters, nothing to shard"
     if device.type == "cuda":
@@ -522,9 +535,14 @@ def pick_opt_level(
     # On par with O0 + the bf16 all-reduce hook at 2 ranks, faster at 4 where the wire is the
     # bottleneck (the step is 1/N); within noise of it where the cores are (measured on a CPU
     # without bf16 units); 1/N of the optimizer state everywhere: README, W2/W3 with FP32 compute.
+    if not comm_hook:
+        return "O0", (
+            f"{no_units}; FP32 weights and optimizer state sharded across ranks, DDP's own FP32 "
+            "all-reduce (--no-comm-hook))"
+        )
     return "O0", (
         f"{no_units}; FP32 weights and optimizer state sharded across ranks, gradients "
-        "reduce-scattered in bf16, updates gathered in bf16)"
+        "reduce-scattered in bf16, updates gathered in bf16 while the next forward runs)"
     )
 
 
@@ -788,7 +806,9 @@ def main() -> None:
     )
 
     asked = args.opt_level
-    args.opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype, world_size)
+    args.opt_level, why = pick_opt_level(
+        args.opt_level, device, args.half_dtype, world_size, comm_hook=args.comm_hook
+    )
     if args.shard_weights and args.opt_level in ("O2", "O3") and is_main:
         print(
             f"note: --shard-weights has nothing to do: --opt-level {asked} picked "
@@ -820,6 +840,7 @@ def main() -> None:
     )
     train_model: nn.Module = model
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    hooked = False  # distamp's hooks reduce the gradients in the half dtype
     if backend is not None:
         # The .grad are views into DDP's buckets: no copy into them and back every step.
         train_model = DistributedDataParallel(
@@ -844,6 +865,7 @@ def main() -> None:
             )
         elif args.comm_hook and (args.opt_level != "O0" or "auto" in why):
             distamp.hooks.register(train_model, optimizer)
+        hooked = args.comm_hook and (shard_fp32 or args.opt_level != "O0" or "auto" in why)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
@@ -853,13 +875,22 @@ def main() -> None:
         "bf16": torch.bfloat16,
         "fp16": torch.float16,
     }[args.half_dtype]
+    # O0 computes in FP32: its half dtype is only the wire's (auto's O0), if anything's.
+    half_name = str(half).removeprefix("torch.")
+    precision = (
+        f"half dtype {half_name}"
+        if args.opt_level != "O0"
+        else f"FP32 compute, gradients reduced in {half_name}"
+        if hooked
+        else "FP32 compute and wire"
+    )
     if is_main:
         print(
             f"GPT {args.size}: {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, "
             f"{cfg.n_embd} wide, {cfg.n_head} heads) | data {tokens.numel() / 2**20:.1f} MB of "
             f"stdlib source | world size {world_size} | backend {backend or 'none'} on {device} | "
-            f"{threads} threads/rank | opt_level {args.opt_level}{why} | half dtype "
-            f"{str(half).removeprefix('torch.')} | batch {args.batch_size}x{args.seq_len} per rank"
+            f"{threads} threads/rank | opt_level {args.opt_level}{why} | {precision} | batch "
+            f"{args.batch_size}x{args.seq_len} per rank"
             f" x {args.grad_accum} micro-batches per step",
             flush=True,
         )

@@ -66,7 +66,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source to read")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="save a checkpoint at the end")
-    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to start from")
+    parser.add_argument(
+        "--resume",
+        default="none",
+        help="a checkpoint folder to start from; 'auto': the newest complete one in --ckpt-dir, "
+        "if any; 'none' (default)",
+    )
     add_progress_arguments(parser, log_every=5, run_name="gpt-fsdp-SIZE")
     args = parser.parse_args()
     for name in ("steps", "batch_size", "seq_len", "threads"):
@@ -74,6 +79,11 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0 or args.clip < 0 or not args.data_mb > 0:
         parser.error("expected --lr > 0, --clip >= 0 and --data-mb > 0")
+    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
+        parser.error(
+            f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "
+            + ("a file" if Path(args.resume).exists() else "nothing at that path")
+        )
     check_progress_arguments(parser, args, run_name=f"gpt-fsdp-{args.size}")
     return args
 
@@ -107,8 +117,11 @@ def main() -> None:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     first = 1
-    if args.resume is not None:
-        extra = distamp.load_checkpoint(args.resume, model, optimizer)  # any world size
+    resume = args.resume if args.resume not in ("auto", "none") else None
+    if args.resume == "auto" and args.ckpt_dir is not None:
+        resume = distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one, or None
+    if resume is not None:
+        extra = distamp.load_checkpoint(resume, model, optimizer)  # any world size
         scheduler.load_state_dict(extra["scheduler"])
         first = int(extra["step"]) + 1
         if first > args.steps:
@@ -134,8 +147,8 @@ def main() -> None:
             f"opt_level {opt_level}{why} | {fp32 / 1e6:.2f} MB of FP32 shards per rank",
             flush=True,
         )
-        if args.resume is not None:
-            print(f"resumed from {args.resume} (step {first - 1})", flush=True)
+        if resume is not None:
+            print(f"resumed from {resume} (step {first - 1})", flush=True)
     progress = Progress(
         args,
         enabled=rank == 0,

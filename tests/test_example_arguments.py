@@ -32,6 +32,12 @@ BAD = {
         ["--ckpt-dir", str(Path(__file__) / "ckpt")],
         "expected a directory, found a file",
     ),
+    "resume from a missing path": (
+        ["--resume", "/nonexistent/step_000010"],
+        "--resume /nonexistent/step_000010: expected 'auto', 'none' or a checkpoint folder, "
+        "found nothing at that path",
+    ),
+    "resume from a file": (["--resume", __file__], "found a file"),
     "reduce-scatter at O1 unsharded": (
         ["--reduce-scatter", "--opt-level", "O1"],
         "add --shard-weights",

@@ -346,7 +346,11 @@ def test_fsdp_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
     assert "under FSDP2" in out and "opt_level O2" in out and "saved" in out
     assert 0.98 < fp32_share(out, 2) < 1.05
     ckpt = tmp_path / "step_000003"
-    out = torchrun(3, "--steps", "5", "--opt-level", "O2", "--resume", str(ckpt))
+    # --resume auto: the newest complete checkpoint in --ckpt-dir, here at another world size
+    out = torchrun(
+        3, "--steps", "5", "--opt-level", "O2", "--ckpt-dir", str(tmp_path), "--resume", "auto"
+    )
+    assert f"resumed from {ckpt} (step 3)" in out
     assert "world size 3" in out and "step    5" in out and "done: final loss" in out
     assert 0.98 < fp32_share(out, 3) < 1.05
     # O1: FSDP's FP32 shards are the weights themselves (no masters), and the line says so too.

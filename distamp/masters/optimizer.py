@@ -30,7 +30,7 @@ from ..config import HALF_DTYPES
 from ..forensics import NonFiniteReport
 from ..optstate import OptState
 from .base import grad_version
-from .rounds import PER_PARAMETER, round_step, step_in_rounds
+from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
 from .sharded import ShardedMasterParams
 
 if TYPE_CHECKING:
@@ -205,12 +205,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.skipped_steps += 1
                 st.group.after_skip(st)
             else:
-                in_rounds = round_step(self, st.masters)
-                if in_rounds is None:
-                    super().step()
-                    st.masters.copy_to_model(after_step=True)
-                else:  # see [Note: the step in rounds]
-                    step_in_rounds(self, st.masters, in_rounds)  # type: ignore[arg-type]
+                _step_and_copy(self, st)
         finally:
             st.in_step = False
             st.reset()
@@ -699,6 +694,26 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
             "too). The previous step's gradients are not reusable: they may still carry the "
             f"loss scale (opt_level {st.group.props.opt_level}) or be this rank's unreduced ones"
         )
+
+
+def _step_and_copy(optimizer: AmpOptimizer, st: AmpOptimizerState) -> None:
+    """The inner optimizer's step over the masters, then the updated weights into the model,
+    with the step hooks around both (see [Note: step hooks see the new weights] in rounds.py)."""
+    in_rounds = round_step(optimizer, st.masters)
+    if in_rounds is not None:  # see [Note: the step in rounds]
+        step_in_rounds(optimizer, st.masters, in_rounds)  # type: ignore[arg-type]
+        return
+    step = unhooked_step(optimizer)
+    if step is None:  # a torch that keeps its hooks elsewhere: its own runner fires them
+        super(AmpOptimizer, optimizer).step()
+        st.masters.copy_to_model(after_step=True)
+        return
+
+    def step_then_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        step(*args, **kwargs)
+        st.masters.copy_to_model(after_step=True)
+
+    with_step_hooks(optimizer, step_then_copy)
 
 
 def _warn_if_shards_touched(st: AmpOptimizerState) -> None:

@@ -46,6 +46,24 @@ PER_PARAMETER = (
 """torch.optim classes whose step treats each parameter on its own, with per-parameter state only."""
 
 
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
+    """The step of the class distamp's optimizer is mixed into, without torch's hook runner (so
+    that distamp runs the step hooks itself, around the copy of the weights into the model: see
+    [Note: step hooks see the new weights]); None where torch keeps its hooks elsewhere."""
+    from .optimizer import AmpOptimizer
+
+    mro = type(optimizer).__mro__
+    if AmpOptimizer not in mro or not all(
+        hasattr(torch_optimizer, name)
+        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    ):
+        return None
+    own: Any = mro[mro.index(AmpOptimizer) + 1]
+    step: Any = own.step
+    # torch wraps the class's step with its hook runner (profile_hook_step) on first construction.
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
 def round_step(optimizer: torch.optim.Optimizer, masters: object) -> Callable[..., Any] | None:
     """The unhooked step of ``optimizer``'s own class when its shard can be stepped in rounds (see
     [Note: the step in rounds]); None when it is stepped at once."""
@@ -56,32 +74,24 @@ def round_step(optimizer: torch.optim.Optimizer, masters: object) -> Callable[..
     from .optimizer import AmpOptimizer
 
     mro = type(optimizer).__mro__
-    if AmpOptimizer not in mro:
+    if AmpOptimizer not in mro or mro[mro.index(AmpOptimizer) + 1] not in PER_PARAMETER:
         return None
-    own = mro[mro.index(AmpOptimizer) + 1]
-    if own not in PER_PARAMETER or not all(
-        hasattr(torch_optimizer, name)
-        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-    ):
-        return None
-    step: Any = own.step
-    # torch wraps the class's step with its hook runner (profile_hook_step) on first construction.
-    return step.__wrapped__ if getattr(step, "hooked", False) else step
+    return unhooked_step(optimizer)
 
 
-def step_in_rounds(
-    optimizer: torch.optim.Optimizer, masters: ShardedMasterParams, step: Callable[..., Any]
+def with_step_hooks(
+    optimizer: torch.optim.Optimizer, body: Callable[[tuple[Any, ...], dict[str, Any]], None]
 ) -> None:
-    """Collective: step the shard round by round, starting each round's all-gather right after
-    it (see [Note: the step in rounds]); ``step`` is the class's unhooked step."""
-    groups = optimizer.param_groups
-    full = [group["params"] for group in groups]
-    where = masters.round_of_chunks()
-    n = masters.gather_rounds()
-    per_round: list[list[list[torch.Tensor]]] = [[[] for _ in groups] for _ in range(n)]
-    for i, params in enumerate(full):
-        for p in params:
-            per_round[min(where.get(id(p), n - 1), n - 1)][i].append(p)
+    """``body(args, kwargs)`` inside the optimizer's step hooks and torch's global ones, as
+    torch's ``profile_hook_step`` runs them around a step.
+
+    [Note: step hooks see the new weights] With FP32 masters the step updates the masters, and
+    the model's weights only when the masters are copied (or gathered) into them. torch's hook
+    runner around the inner class's step fired the post-hooks before that copy: a post-hook
+    reading ``model.parameters()`` (an EMA, a weight-norm logger) saw the weights of the step
+    before, silently, on every path but the step in rounds (an audit: an EMA 9.4e-3 off the
+    FP32 one). So distamp runs the hooks itself, with the copy inside ``body``. (With
+    ``overlap_gather`` the gather is still in flight then: see its Note.)"""
     args: tuple[Any, ...] = (optimizer,)
     kwargs: dict[str, Any] = {}
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
@@ -97,6 +107,30 @@ def step_in_rounds(
                         f"(new_args, new_kwargs), got {result!r}"
                     )
                 args, kwargs = result
+        body(args, kwargs)
+        optimizer._optimizer_step_code()
+        for post_hook in chain(
+            optimizer._optimizer_step_post_hooks.values(),
+            torch_optimizer._global_optimizer_post_hooks.values(),
+        ):
+            post_hook(optimizer, args, kwargs)
+
+
+def step_in_rounds(
+    optimizer: torch.optim.Optimizer, masters: ShardedMasterParams, step: Callable[..., Any]
+) -> None:
+    """Collective: step the shard round by round, starting each round's all-gather right after
+    it (see [Note: the step in rounds]); ``step`` is the class's unhooked step."""
+    groups = optimizer.param_groups
+    full = [group["params"] for group in groups]
+    where = masters.round_of_chunks()
+    n = masters.gather_rounds()
+    per_round: list[list[list[torch.Tensor]]] = [[[] for _ in groups] for _ in range(n)]
+    for i, params in enumerate(full):
+        for p in params:
+            per_round[min(where.get(id(p), n - 1), n - 1)][i].append(p)
+
+    def in_rounds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         masters.begin_gather(after_step=True)
         try:
             for j in range(n):
@@ -108,9 +142,5 @@ def step_in_rounds(
             for group, params in zip(groups, full, strict=True):
                 group["params"] = params
         masters.end_gather(after_step=True)
-        optimizer._optimizer_step_code()
-        for post_hook in chain(
-            optimizer._optimizer_step_post_hooks.values(),
-            torch_optimizer._global_optimizer_post_hooks.values(),
-        ):
-            post_hook(optimizer, args, kwargs)
+
+    with_step_hooks(optimizer, in_rounds)

@@ -135,7 +135,9 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                 raise ValueError(
                     f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "
                     "torch.float32: hand distamp.wrap an FP32 model (do not call .half() or "
-                    ".bfloat16() yourself); the opt_level decides what is cast"
+                    ".bfloat16() yourself; Hugging Face's from_pretrained loads a checkpoint in "
+                    "its saved dtype unless given dtype=torch.float32); the opt_level decides "
+                    "what is cast"
                     + (
                         ". If it belongs to a module shared with a model an earlier "
                         "distamp.wrap cast, wrap the models that share it in one call: "
@@ -160,7 +162,10 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
     return names
 
 
-def check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> None:
+def check_optimizers(
+    optimizers: list[torch.optim.Optimizer], names: dict[int, str], *, api: str = "distamp.wrap"
+) -> None:
+    """Refuse optimizers wrapped already, LBFGS, and parameters of no model given to ``api``."""
     seen: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
         where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
@@ -181,7 +186,8 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], names: dict[int, s
                     raise ValueError(
                         f"{where}: param_groups[{g}]['params'][{k}] (shape {tuple(param.shape)}, "
                         f"dtype {param.dtype}) is not a parameter of the model(s) passed to "
-                        "wrap: expected every optimized parameter to belong to a wrapped model"
+                        f"{api}: expected every optimized parameter to belong to the model(s) "
+                        "given with it (an optimizer built on another copy of the model?)"
                     )
                 if id(param) in seen and seen[id(param)] != i:
                     raise ValueError(

@@ -43,7 +43,7 @@ from .collectives import (
     check_same_on_all_ranks,
     checks_on_every_rank,
 )
-from .config import HALF_DTYPES, Properties, resolve_properties
+from .config import DISABLED_ATTR, HALF_DTYPES, Properties, resolve_properties
 from .masters.base import ModelGrads
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
@@ -63,6 +63,7 @@ class FSDPParams(ModelGrads):
     """FSDP's sharded parameters as their own masters (the MasterWeights interface of masters/base.py)."""
 
     sharded = True
+    fsdp = True
 
     def __init__(
         self, params: list[nn.Parameter], process_group: dist.ProcessGroup | None, props: Properties
@@ -88,6 +89,15 @@ class FSDPParams(ModelGrads):
 
     def model_grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.model_params]
+
+    def scaled_grad_sample(self) -> torch.Tensor | None:
+        """The bits of the first few values of every local gradient shard: torch's foreach ops
+        on DTensors (clip_grad_norm_'s default path) write the local shards without moving any
+        version counter, so a clip of the still-scaled gradients went unwarned under FSDP (an
+        audit: a norm of 44436 clipped to 1, an update 1e-5 of the right one, silently). Compared
+        bit for bit, so a NaN sample equals itself."""
+        samples = [g.reshape(-1)[:4].float() for g in self._local_grads()]
+        return torch.cat(samples).view(torch.int32) if samples else None
 
     def after_cast(self) -> None:
         """FSDP casts for the forward itself."""
@@ -327,6 +337,10 @@ def fully_shard(
             "distamp.fsdp.fully_shard: expected an initialized process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
+    _check_overrides(overrides)
+    from .wrap import _enabled_flag
+
+    enabled = _enabled_flag(overrides.pop("enabled", True))
     # FSDP shards the parameters themselves, and with them their FP32 values and optimizer state:
     # apex's "shard the masters" switch can only be on (or left to its default) here.
     if overrides.pop("shard_master_weights", None) is False:
@@ -366,13 +380,14 @@ def fully_shard(
         )
         props = dataclasses.replace(props, shard_master_weights=world > 1)
         names = check_models([model], meta_ok=True)
-        check_optimizers([optimizer], names)
+        check_optimizers([optimizer], names, api="distamp.fsdp.fully_shard")
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )
     from .wrap import _states_of, _warn_about_eps
 
-    _warn_about_eps([optimizer], props, "distamp.fsdp.fully_shard")
+    if enabled:
+        _warn_about_eps([optimizer], props, "distamp.fsdp.fully_shard")
     if on_meta and device_type == "cpu":
         warnings.warn(
             "distamp.fsdp.fully_shard: a model on the meta device, sharded over CPU ranks: "
@@ -396,6 +411,15 @@ def fully_shard(
     if not on_meta:
         broadcast_from_rank0_(_states_of([model]), group)
 
+    def apply(module: nn.Module, properties: Properties) -> nn.Module:
+        if api == "fsdp1":
+            return _apply_fsdp1(module, properties, blocks, group)
+        _apply_fsdp2(module, properties, blocks, mesh, group, device_type, reshard_after_forward)
+        return module
+
+    if not enabled:
+        return _shard_disabled(model, optimizer, opt_level, props.num_losses, apply, device_type)
+
     if props.model_is_cast and not props.master_weights:
         # [Note: O3 under FSDP] O3 has no FP32 masters: the weights FSDP shards (and the
         # optimizer steps) are half, as wrap's O3 makes them. Left FP32, FSDP's sharded
@@ -403,10 +427,7 @@ def fully_shard(
         # state under "O3", twice the bytes, and stats' master_bytes reported 0).
         casting.cast_tensors(model, casting.plan_precision([model], props))
     _set_forward_classes(model, props, device_type)
-    if api == "fsdp2":
-        _apply_fsdp2(model, props, blocks, mesh, group, device_type, reshard_after_forward)
-    else:
-        model = _apply_fsdp1(model, props, blocks, group)
+    model = apply(model, props)
     new_params = dict(model.named_parameters())
     new_params = {_strip_fsdp1(n): p for n, p in new_params.items()}
     _repoint_optimizer(optimizer, old_names, new_params)
@@ -418,6 +439,72 @@ def fully_shard(
     from .wrap import _make_amp_optimizer
 
     _make_amp_optimizer(optimizer, AmpOptimizerState(scalers, 0, masters))
+    return model, optimizer
+
+
+OVERRIDES = frozenset(
+    {
+        "enabled",
+        "cast_model_type",
+        "patch_torch_functions",
+        "keep_batchnorm_fp32",
+        "master_weights",
+        "loss_scale",
+        "cast_model_outputs",
+        "num_losses",
+        "verbosity",
+        "min_loss_scale",
+        "max_loss_scale",
+        "max_consecutive_skips",
+        "shard_master_weights",
+    }
+)
+"""The property overrides of :func:`distamp.wrap` that :func:`fully_shard` takes."""
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    """Refuse, by name, an override ``fully_shard`` does not take (an audit: a typo or wrap's
+    ``keep_fp32_modules`` failed inside a private function, "resolve_properties() got an
+    unexpected keyword argument")."""
+    unknown = sorted(set(overrides) - OVERRIDES)
+    if not unknown:
+        return
+    hint = ""
+    if "keep_fp32_modules" in unknown:
+        hint = (
+            "; keep_fp32_modules is distamp.wrap's (DDP): FSDP casts all parameters of one unit "
+            "to one dtype, and under FSDP only normalization layers become FP32 units "
+            "(distamp.doctor.kept_fp32(model) lists the ones recognized); for another module "
+            "kept FP32 use O1 (autocast) or distamp.wrap with DistributedDataParallel"
+        )
+    raise TypeError(
+        f"distamp.fsdp.fully_shard: unexpected keyword argument(s) {', '.join(unknown)}; "
+        f"expected opt_level, half_dtype, blocks, api, mesh, reshard_after_forward, "
+        f"process_group or one of wrap's property overrides "
+        f"({', '.join(sorted(OVERRIDES))}){hint}"
+    )
+
+
+def _shard_disabled(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    opt_level: str,
+    num_losses: int,
+    apply: Callable[[nn.Module, Properties], nn.Module],
+    device_type: str,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``enabled=False`` (DeepSpeed's ``"fp16": {"enabled": false}``, an AMP=0 switch): FSDP
+    in FP32 with no mixed-precision policy, the optimizer torch's own (re-pointed at the
+    sharded parameters), every other distamp call a pass-through, as ``wrap(enabled=False)``
+    leaves DDP scripts. Ignored, it trained in fp16 with a loss scaler (an audit)."""
+    old_names = {id(p): n for n, p in model.named_parameters()}
+    model = apply(model, resolve_properties("O0", device_type=device_type))
+    new_params = {_strip_fsdp1(n): p for n, p in model.named_parameters()}
+    _repoint_optimizer(optimizer, old_names, new_params)
+    disabled = resolve_properties(
+        opt_level, device_type=device_type, enabled=False, num_losses=num_losses
+    )
+    setattr(optimizer, DISABLED_ATTR, disabled)
     return model, optimizer
 
 

@@ -430,6 +430,7 @@ class ScalerGroup:
         for other in self.optimizers:
             if other.state is OptState.SCALED and not other.warned_touched_scaled:
                 other.scaled_grads = [(p, grad_version(p)) for p in other.masters.model_params]
+                other.scaled_sample = other.masters.scaled_grad_sample()
         self._open.append(block)
 
     def forget(self, st: AmpOptimizerState) -> None:

@@ -651,8 +651,11 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
     for i, opt in enumerate(opts):
         if not isinstance(opt, AmpOptimizer):
             raise TypeError(
-                f"{what}: optimizer {i} ({type(opt).__name__}) was not returned by distamp.wrap: "
-                "expected the optimizer(s) from `model, optimizer = distamp.wrap(model, optimizer)`"
+                f"{what}: optimizer {i} ({type(opt).__name__}) was not returned by distamp.wrap "
+                "or distamp.fsdp.fully_shard: expected the optimizer(s) from `model, optimizer = "
+                "distamp.wrap(model, optimizer)` (under FSDP, `distamp.fsdp.fully_shard(model, "
+                "optimizer, ...)`: build the optimizer before it and keep the one it returns, "
+                "not one built on the sharded model afterwards)"
             )
         states.append(opt._distamp)
     groups = {id(st.group) for st in states}

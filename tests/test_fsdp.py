@@ -396,3 +396,104 @@ def test_two_losses_at_two_scales_accumulated_without_sync_equal_syncing_each(na
             torch.testing.assert_close(w, r, atol=2e-3, rtol=2e-3)  # bf16 reduced at other times
     if nan_first:
         assert synced[0][0][1] == (True, (32768.0, 256.0))  # only loss 0 backed off
+
+
+# -- switches and habits an audit tried -----------------------------------------------------------
+
+
+def _fp32_fsdp2(model):
+    """torch's own FSDP2, FP32, the blocks then the root: what enabled=False must amount to."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def disabled_and_unknown_options(rank, world, directory):
+    out = {}
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model, returned = distamp.fsdp.fully_shard(
+        model, opt, opt_level="O2", half_dtype=torch.float16, enabled=False
+    )
+    out["same optimizer"] = returned is opt
+    out["param dtypes"] = {p.dtype for p in model.parameters()}
+    ref = _fp32_fsdp2(Net())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+    for step in range(3):
+        x, y = batch(step, rank, world)
+        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        distamp.clip_grad_norm_(opt, 1.0)
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = StateDictOptions(full_state_dict=True)
+    out["weights"] = get_model_state_dict(model, options=full)
+    out["reference"] = get_model_state_dict(ref, options=full)
+    out["stats steps"] = distamp.stats(opt).steps
+    distamp.save_checkpoint(directory, model, opt, extra={"step": 3})
+    model2 = Net()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, foreach=True)
+    model2, opt2 = distamp.fsdp.fully_shard(model2, opt2, enabled="False")
+    out["resumed step"] = distamp.load_checkpoint(directory, model2, opt2)["step"]
+    out["resumed weights"] = get_model_state_dict(model2, options=full)
+    for name, kwargs in {
+        "keep_fp32_modules": {"keep_fp32_modules": ["out"]},
+        "typo": {"opt_levle": "O1"},
+    }.items():
+        try:
+            m = Net()
+            distamp.fsdp.fully_shard(m, torch.optim.SGD(m.parameters(), lr=0.1), **kwargs)
+            out[name] = None
+        except TypeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_enabled_false_is_torchs_fp32_fsdp2_and_unknown_options_are_refused_by_name(tmp_path):
+    """An audit: enabled=False (DeepSpeed's "fp16": {"enabled": false}) was ignored and trained
+    fp16 with a loss scaler; keep_fp32_modules or a typo failed inside a private function."""
+    for out in run_ranks(disabled_and_unknown_options, 2, str(tmp_path / "ckpt")):
+        assert out["same optimizer"] and out["param dtypes"] == {torch.float32}
+        assert_same(out["weights"], out["reference"], "enabled=False against torch's FSDP2")
+        assert out["stats steps"] == 0
+        assert out["resumed step"] == 3
+        assert_same(out["resumed weights"], out["weights"], "enabled=False checkpoint")
+        assert "unexpected keyword argument(s) keep_fp32_modules" in out["keep_fp32_modules"]
+        assert "only normalization layers become FP32 units" in out["keep_fp32_modules"]
+        assert "unexpected keyword argument(s) opt_levle" in out["typo"]
+        assert "max_loss_scale" in out["typo"]  # the accepted names are listed
+
+
+def clip_while_scaled(rank, world, how):
+    import warnings
+
+    model, _, opt = build("fsdp", "O2", torch.float16, d=8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = batch(step, rank, world)
+            with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+                scaled.backward()
+            if how == "unscale_ then clip":
+                distamp.unscale_(opt)
+            if how != "nothing":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in seen if "still multiplied" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["clip", "unscale_ then clip", "nothing"])
+def test_clipping_fsdp_gradients_still_scaled_is_warned_about(how):
+    """An audit: torch's clip_grad_norm_ writes FSDP2's DTensor gradients through foreach ops,
+    which move no version counter, so the warning that catches it under DDP stayed silent (a
+    norm of 44436 clipped: an update 1e-5 of the right one)."""
+    for messages in run_ranks(clip_while_scaled, 2, how):
+        assert len(messages) == (1 if how == "clip" else 0), (how, messages)

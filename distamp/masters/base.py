@@ -21,6 +21,7 @@ class MasterWeights(Protocol):
     """What the optimizer and the scaler need from its masters, replicated or sharded."""
 
     sharded: bool
+    fsdp: bool
     model_params: list[nn.Parameter]
     restored: bool
 
@@ -43,6 +44,7 @@ class MasterWeights(Protocol):
     def take_modified_model_grads(self) -> None: ...
     def shard_grad_versions(self) -> list[tuple[int, int] | None]: ...
     def shard_grad_sample(self) -> torch.Tensor | None: ...
+    def scaled_grad_sample(self) -> torch.Tensor | None: ...
     def take_written_weights(self) -> None: ...
     def replica_fingerprint(self) -> torch.Tensor | None: ...
     def add_group(
@@ -57,12 +59,20 @@ class ModelGrads:
     """What replicated and sharded masters share: the model side of the gradients."""
 
     model_params: list[nn.Parameter]
+    fsdp = False
+    """FSDP's sharded parameters are their own masters (distamp/fsdp.py): the messages differ."""
     restored = False
     """The optimizer restored the masters (``load_state_dict``, ``load_checkpoint``) since the
     last step: see [Note: loading weights into the masters]."""
 
     def release_master_grads(self) -> None:
         raise NotImplementedError
+
+    def scaled_grad_sample(self) -> torch.Tensor | None:
+        """What else than version counters tells that the gradients were written between a
+        scale_loss block and step() (see [Note: scaled gradients touched before step()]): nothing
+        for plain tensors, whose counters every in-place write moves."""
+        return None
 
     def model_grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.model_params]

@@ -69,6 +69,8 @@ class AmpOptimizerState:
         self.scaled_grads: list[tuple[Any, tuple[int, int] | None]] = []
         """(parameter, grad_version) of every model gradient at the end of the last scale_loss
         block: see [Note: scaled gradients touched before step()]."""
+        self.scaled_sample: torch.Tensor | None = None
+        """Under FSDP, ``scaled_grad_sample()`` at the end of that block (the same Note)."""
         self.warned_touched_scaled = False
         self.warned_shard_state_dict = False
         self.unscaled_shards: list[tuple[int, int] | None] | None = None
@@ -410,6 +412,16 @@ def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) ->
     if st.warned_shard_state_dict:
         return
     st.warned_shard_state_dict = True
+    if st.masters.fsdp:
+        warnings.warn(
+            f"optimizer.state_dict() on rank {shard['rank']}: under FSDP it holds this rank's "
+            f"shard of the parameters' optimizer state only (1 of {shard['world_size']}), so a "
+            "checkpoint rank 0 saves alone cannot be resumed. Expected distamp.save_checkpoint("
+            "path, model, optimizer) on every rank (any world size on resume), or every rank "
+            "saving and loading its own state_dict at the same world size",
+            stacklevel=3,
+        )
+        return
     warnings.warn(
         f"optimizer.state_dict() on rank {shard['rank']}: it holds this rank's shard of the FP32 "
         f"masters and optimizer state only (1 of {shard['world_size']}; sharded masters are "
@@ -436,10 +448,13 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
         )
     mine, theirs = _shard_of(st), extra.get("shard")
     if "shard" in extra and mine != theirs:  # (state dicts of distamp 0.1 do not say)
+        fsdp = st.masters.fsdp
 
         def show(shard: dict[str, int] | None) -> str:
             if shard is None:
                 return "all FP32 masters (replicated)"
+            if fsdp:  # FSDP's shards have no blocks
+                return f"rank {shard['rank']}'s FSDP shard of {shard['world_size']} ranks"
             blocks = f" in blocks of {shard['block']}" if "block" in shard else " (contiguous)"
             return (
                 f"rank {shard['rank']}'s shard of the FP32 masters of {shard['world_size']} ranks"
@@ -450,8 +465,13 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
             f"{where}: the state dict holds {show(theirs)}, this optimizer needs {show(mine)}: "
             "with sharded masters every rank saves and loads its own optimizer.state_dict() at "
             "the same world size; use distamp.save_checkpoint/load_checkpoint (one checkpoint, any "
-            "world size), or wrap with shard_master_weights=False to keep saving rank 0's "
-            "optimizer.state_dict() for all ranks"
+            "world size)"
+            + (
+                ""
+                if fsdp
+                else ", or wrap with shard_master_weights=False to keep saving rank 0's "
+                "optimizer.state_dict() for all ranks"
+            )
         )
     saved_level = (extra.get("properties") or {}).get("opt_level")
     level = st.group.props.opt_level
@@ -751,15 +771,17 @@ def _warn_if_scaled_grads_touched(st: AmpOptimizerState) -> None:
     the last block ended, without ``unscale_``, is such a touch: warn once per optimizer."""
     if st.warned_touched_scaled or not st.scaled_grads:
         return
-    for param, version in st.scaled_grads:
-        if grad_version(param) != version:
-            st.warned_touched_scaled = True
-            warnings.warn(
-                f"optimizer.step(): a gradient was modified after backward while still multiplied "
-                f"by the loss scale ({st.grad_scale:g}) — clipping or rescaling model.parameters() "
-                "between scale_loss and step() sees scaled values; expected distamp.unscale_("
-                "optimizer) (apex scripts: amp.master_params(optimizer)) before touching them, "
-                "or distamp.clip_grad_norm_(optimizer, max_norm)",
-                stacklevel=3,
-            )
-            return
+    touched = any(grad_version(param) != version for param, version in st.scaled_grads)
+    if not touched and st.scaled_sample is not None:
+        now = st.masters.scaled_grad_sample()
+        touched = now is None or not torch.equal(now, st.scaled_sample)
+    if touched:
+        st.warned_touched_scaled = True
+        warnings.warn(
+            f"optimizer.step(): a gradient was modified after backward while still multiplied "
+            f"by the loss scale ({st.grad_scale:g}) — clipping or rescaling model.parameters() "
+            "between scale_loss and step() sees scaled values; expected distamp.unscale_("
+            "optimizer) (apex scripts: amp.master_params(optimizer)) before touching them, "
+            "or distamp.clip_grad_norm_(optimizer, max_norm)",
+            stacklevel=3,
+        )

@@ -544,6 +544,36 @@ def test_two_saves_killed_in_a_row_leave_the_last_complete_checkpoint(tmp_path, 
     assert not (tmp_path / "a.old").exists()
 
 
+def test_a_checkpoint_path_that_is_a_symbolic_link_is_saved_through_it(tmp_path):
+    """Checkpoints on another volume behind a link: the first save replaced the link with a
+    real folder and then failed removing the link as the old copy; every later save failed at
+    that leftover and the resume looped at the first step (an audit)."""
+    model, opt, sched = make("O2")
+    scratch, run = tmp_path / "scratch", tmp_path / "run"
+    scratch.mkdir()
+    run.mkdir()
+    (scratch / "model").mkdir()
+    (run / "model").symlink_to(scratch / "model")
+    for step in (1, 2, 3):
+        train(model, opt, sched, 0, 1, step - 1, step)
+        assert distamp.save_checkpoint(run / "model", model, opt, extra={"step": step}) == str(
+            run / "model"
+        )
+        assert (run / "model").is_symlink(), f"save {step} replaced the link"
+        assert distamp.checkpoint.inspect(str(scratch / "model"))["step"] == step
+        assert distamp.latest_checkpoint(run) == str(run / "model")
+    assert sorted(p.name for p in run.iterdir()) == ["model"]
+    assert sorted(p.name for p in scratch.iterdir()) == ["model"]
+    # The leftover an earlier distamp made (a real folder at the path, the link as "model.old")
+    # goes too.
+    (run / "model").unlink()
+    (run / "model.old").symlink_to(scratch / "model")
+    distamp.save_checkpoint(run / "model", model, opt, extra={"step": 4})
+    assert sorted(p.name for p in run.iterdir()) == ["model"]
+    model2, opt2, _ = make("O2")
+    assert distamp.load_checkpoint(run / "model", model2, opt2)["step"] == 4
+
+
 # -- variants, in one process -----------------------------------------------------------------------
 
 

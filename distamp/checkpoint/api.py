@@ -138,7 +138,12 @@ def save_checkpoint(
     for view in target.views:  # see [Note: weights written after wrap] in masters/base.py
         if view.st is not None:
             view.st.masters.take_written_weights()
-    directory = Path(directory)
+    given = Path(directory)
+    # [Note: a checkpoint path that is a symbolic link] (checkpoints on another volume) The save
+    # goes where the link points, its temporary and old copies beside the target, and the link
+    # stays: committed over the link, the new folder replaced it and rmtree refused the link as
+    # the old copy, so every later save failed (an audit).
+    directory = Path(os.path.realpath(given)) if given.is_symlink() else given
     pg = target.pg
     plain_extra = agree("save_checkpoint: extra", lambda: check_plain(extra or {}, "extra"), pg)
     agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
@@ -184,7 +189,7 @@ def save_checkpoint(
         files.commit(tmp, directory)
 
     agree("save_checkpoint: committing", finish, pg)
-    return str(directory)
+    return str(given)
 
 
 def _dcp_failures(exc: BaseException) -> str:

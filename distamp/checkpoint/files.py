@@ -234,11 +234,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove(path: Path) -> None:
+    """A checkpoint folder gone: a symbolic link itself unlinked (``rmtree`` refuses links)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def prepare_tmp(directory: Path) -> Path:
     """Rank 0: an empty ``<directory>.incomplete`` (a stale one from a killed save is removed)."""
     tmp = directory.with_name(directory.name + INCOMPLETE)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if tmp.exists() or tmp.is_symlink():
+        remove(tmp)
     tmp.mkdir(parents=True)
     return tmp
 
@@ -247,15 +255,15 @@ def commit(tmp: Path, directory: Path) -> None:
     """Rank 0: move the finished ``tmp`` into place; see [Note: atomic checkpoints]."""
     old = directory.with_name(directory.name + OLD)
     if directory.exists():
-        if old.exists():  # a leftover of an earlier save: ``directory`` is the newer copy
-            shutil.rmtree(old)
+        if old.exists() or old.is_symlink():  # an earlier save's leftover: the older copy
+            remove(old)
         os.rename(directory, old)
     # Else ``old`` may be the only complete copy (a save killed between its two renames): it
     # goes only once the new one is in place, so a second killed save still leaves one.
     os.rename(tmp, directory)
     fsync_dir(directory.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    if old.exists() or old.is_symlink():
+        remove(old)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:

@@ -589,6 +589,9 @@ def build_variant(variant):
         models, opts = distamp.wrap([a, b], opts, opt_level="O2", num_losses=2, verbosity=0)
         return models, opts
     model = Net()
+    if variant == "adafactor":  # variance for vectors only, row_var/col_var for matrices
+        opt = torch.optim.Adafactor(model.parameters(), lr=0.05)
+        return distamp.wrap(model, opt, opt_level="O2", verbosity=0)
     if variant == "adagrad sharded":
         opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
         return distamp.wrap(model, opt, opt_level="O2", shard_master_weights=True, verbosity=0)
@@ -622,7 +625,7 @@ def variant_steps(models, opts, first, last):
 
 
 @pytest.mark.parametrize(
-    "variant", ["O0", "O3", "O2 fp16", "disabled", "two models", "adagrad sharded"]
+    "variant", ["O0", "O3", "O2 fp16", "disabled", "two models", "adagrad sharded", "adafactor"]
 )
 def test_round_trip_variants_in_one_process(tmp_path, variant):
     models, opts = build_variant(variant)
@@ -646,6 +649,14 @@ def test_round_trip_variants_in_one_process(tmp_path, variant):
         strict=True,
     ):
         assert_same(b.state_dict(), a.state_dict(), f"{variant}: optimizer after 2 more steps")
+    # The state keys of every parameter as saved (an audit: Adafactor's matrices gained a
+    # full-size zero ``variance`` at every load).
+    if variant == "adafactor":
+        saved = consolidate_optimizer_state(tmp_path / "c")
+        assert "variance" not in saved["fc1.weight"] and "row_var" in saved["fc1.weight"]
+        assert "variance" in saved["fc1.bias"]
+        for per in fresh_opts.state.values():
+            assert "variance" not in per or "row_var" not in per, sorted(per)
     consolidated = consolidate(tmp_path / "c")
     reference = fresh_list[0].state_dict()
     assert set(consolidated) == set(reference)

@@ -33,6 +33,7 @@ from .state import (
     flat_starts,
     flat_state,
     hyperparameters,
+    installed_keys,
     is_dtensor,
     kept_state,
     live_state_dict,
@@ -40,6 +41,8 @@ from .state import (
     model_entry,
     optimizer_views,
     param_names,
+    partly_present,
+    present_keys,
     to_dtensor,
     unwrap_model,
 )
@@ -238,6 +241,7 @@ def _flat_info(target: _Target) -> dict[tuple[int, int], dict[str, Any]]:
                 out[(view.index, g)] = {
                     "scalars": scalars,
                     "has_state": has_state,
+                    "present": present_keys(view.opt, gv.flat),
                     "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
                 }
     return out
@@ -286,6 +290,7 @@ def _collect(
                     "tensor_keys": dict(sorted(merged["dtypes"].items())),
                     "scalars": merged["scalars"],
                     "has_state": merged["has_state"],
+                    "present": partly_present(merged),
                 }
             for name, tensor in gv.kept:
                 tensors, scalars = kept_state(opt, tensor)
@@ -738,7 +743,7 @@ def _install_optimizer(
                 ):
                     if not has_state[index]:
                         continue
-                    per = {k: v[a:b].clone() for k, v in states.items()}
+                    per = {k: states[k][a:b].clone() for k in installed_keys(saved_flat, index)}
                     for k, values in saved_flat["scalars"].items():
                         if values[index] is not None:
                             per[k] = _clone(values[index])
@@ -753,8 +758,8 @@ def _install_optimizer(
                     if not has_state[i]:
                         continue
                     per = {
-                        k: v[start : start + n].view(master.shape).clone()
-                        for k, v in states.items()
+                        k: states[k][start : start + n].view(master.shape).clone()
+                        for k in installed_keys(saved_flat, i)
                     }
                     for k, values in saved_flat["scalars"].items():
                         if values[i] is not None:
@@ -796,7 +801,7 @@ def _unflatten_state(
             .view(tensor.shape)
             .to(tensor.device)
             .clone()
-            for k in saved_flat["tensor_keys"]
+            for k in installed_keys(saved_flat, i)
         }
         for k, values in saved_flat["scalars"].items():
             if values[i] is not None:

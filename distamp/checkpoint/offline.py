@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from . import files, metadata
 from .files import CheckpointError, PathLike
-from .state import flat_starts, numel
+from .state import flat_starts, installed_keys, numel
 
 
 def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
@@ -113,7 +113,7 @@ def consolidate_optimizer_state(
                 "master": dest[f"optim.{o}.g{g}.master"][start : start + n].view(shape)
             }
             if flat["has_state"][i]:
-                for k in flat["tensor_keys"]:
+                for k in installed_keys(flat, i):
                     per[k] = dest[f"optim.{o}.g{g}.state.{k}"][start : start + n].view(shape)
                 for k, values in flat["scalars"].items():
                     if values[i] is not None:

@@ -341,6 +341,45 @@ def canonical_piece(
     return flat.sharded.to_canonical(flat.group, local)[: hi - lo]
 
 
+def present_keys(opt: torch.optim.Optimizer, flat: FlatGroup) -> dict[str, list[int]]:
+    """Per element-wise state key, the parameters (indices in the group) this rank holds it for.
+
+    [Note: state keys some parameters lack] A flat state tensor has a value for every element,
+    zeros where a parameter has no such state; Adafactor keeps ``variance`` for vectors only
+    (``row_var``/``col_var`` for matrices). Installed everywhere on load, every resume gave each
+    matrix a full-size ``variance`` of zeros (4 bytes per element of state Adafactor exists to
+    avoid; an audit). The manifest lists where each key was, and a load installs it only there."""
+    present: dict[str, set[int]] = {}
+    if flat.sharded is not None:
+        layout = flat.sharded.groups[flat.group]
+        for (index, _, _), chunk in zip(layout.spans, flat.sharded.chunks[flat.group], strict=True):
+            for key, value in (opt.state.get(chunk) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.shape == chunk.shape:
+                        present.setdefault(key, set()).add(index)
+    else:
+        wide = elementwise_keys(opt, flat.masters)
+        for i, master in enumerate(flat.masters):
+            for key in opt.state.get(master, {}):
+                if key in wide:
+                    present.setdefault(key, set()).add(i)
+    return {k: sorted(v) for k, v in present.items()}
+
+
+def partly_present(merged: dict[str, Any]) -> dict[str, list[int]]:
+    """The merged ``present`` lists of the keys that some parameter with state lacks (the rest
+    are everywhere: the manifest leaves them out)."""
+    with_state = {i for i, h in enumerate(merged["has_state"]) if h}
+    return {k: v for k, v in sorted(merged["present"].items()) if set(v) != with_state}
+
+
+def installed_keys(saved_flat: dict[str, Any], i: int) -> list[str]:
+    """The element-wise keys parameter ``i`` of a saved flat group had (see [Note: state keys
+    some parameters lack]; a manifest without ``present`` had them everywhere)."""
+    present = saved_flat.get("present", {})
+    return [k for k in saved_flat["tensor_keys"] if k not in present or i in present[k]]
+
+
 def merge_flat_info(infos: list[dict[Any, Any]]) -> dict[Any, Any]:
     """One view of every flat group's scalar state from each rank's :func:`flat_state` summary.
 
@@ -353,9 +392,16 @@ def merge_flat_info(infos: list[dict[Any, Any]]) -> dict[Any, Any]:
         for key, part in info.items():
             into = merged.setdefault(
                 key,
-                {"scalars": {}, "has_state": [None] * len(part["has_state"]), "dtypes": {}},
+                {
+                    "scalars": {},
+                    "has_state": [None] * len(part["has_state"]),
+                    "dtypes": {},
+                    "present": {},
+                },
             )
             into["dtypes"].update(part["dtypes"])
+            for name, where in part["present"].items():
+                into["present"][name] = sorted(set(into["present"].get(name, [])) | set(where))
             for i, has in enumerate(part["has_state"]):
                 if into["has_state"][i] is None:
                     into["has_state"][i] = has

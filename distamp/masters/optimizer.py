@@ -191,10 +191,10 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
-        if st.state is OptState.SCALED:
-            _warn_if_scaled_grads_touched(st)
+        touched, scale = _scaled_grads_touched(st), st.grad_scale
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
+        _warn_if_scaled_grads_touched(st, touched, scale)
         st.group.update_finished_losses()  # see [Note: the scale moves at step()]
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
@@ -762,24 +762,37 @@ def _warn_if_shards_touched(st: AmpOptimizerState) -> None:
         )
 
 
-def _warn_if_scaled_grads_touched(st: AmpOptimizerState) -> None:
+def _scaled_grads_touched(st: AmpOptimizerState) -> bool | torch.Tensor:
     """[Note: scaled gradients touched before step()] distamp unscales at ``step()`` (or
     ``unscale_``), not when a scale_loss block ends (apex's O1 did), so a script that clips
     ``model.parameters()`` between the block and ``step()`` clips gradients still multiplied by
     the loss scale (an audit's apex O1 script: a norm of 5.9e4 clipped to 0.5, then unscaled by
     65536: an update 65536x too small, silently). A gradient modified in place or replaced since
-    the last block ended, without ``unscale_``, is such a touch: warn once per optimizer."""
-    if st.warned_touched_scaled or not st.scaled_grads:
-        return
-    touched = any(grad_version(param) != version for param, version in st.scaled_grads)
-    if not touched and st.scaled_sample is not None:
-        now = st.masters.scaled_grad_sample()
-        touched = now is None or not torch.equal(now, st.scaled_sample)
-    if touched:
+    the last block ended, without ``unscale_``, is such a touch: warn once per optimizer.
+
+    Under FSDP the answer is a device flag (see ``FSDPParams.scaled_grad_sample``), read after
+    the skip decision, whose own host synchronization has made it ready: no second one."""
+    if st.state is not OptState.SCALED or st.warned_touched_scaled or not st.scaled_grads:
+        return False
+    if any(grad_version(param) != version for param, version in st.scaled_grads):
+        return True
+    if st.scaled_sample is None:
+        return False
+    now = st.masters.scaled_grad_sample()
+    if now is None or now.shape != st.scaled_sample.shape:
+        return True
+    return (now != st.scaled_sample).any()
+
+
+def _warn_if_scaled_grads_touched(
+    st: AmpOptimizerState, touched: bool | torch.Tensor, scale: float | None
+) -> None:
+    """The warning of [Note: scaled gradients touched before step()], once per optimizer."""
+    if bool(touched):
         st.warned_touched_scaled = True
         warnings.warn(
             f"optimizer.step(): a gradient was modified after backward while still multiplied "
-            f"by the loss scale ({st.grad_scale:g}) — clipping or rescaling model.parameters() "
+            f"by the loss scale ({scale or 1.0:g}) — clipping or rescaling model.parameters() "
             "between scale_loss and step() sees scaled values; expected distamp.unscale_("
             "optimizer) (apex scripts: amp.master_params(optimizer)) before touching them, "
             "or distamp.clip_grad_norm_(optimizer, max_norm)",

@@ -104,12 +104,14 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         except TypeError:  # a read-only mapping that cannot be built from a dict: apex's dict
             return cast
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: cast_floating(getattr(value, f.name), dtype)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
+        # A copy with every field cast: dataclasses.replace dropped the fields declared
+        # init=False (set after construction: an auxiliary loss came back None, an audit).
+        instance: Any = value
+        out = copy.copy(instance)
+        for f in dataclasses.fields(instance):
+            if hasattr(value, f.name):
+                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype))
+        return out
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
         return value.to(dtype)
     return value
@@ -311,7 +313,8 @@ def resolve_fp32_modules(models: list[nn.Module], keep: Any) -> tuple[list[nn.Mo
     named = [
         (name if len(models) == 1 else f"models[{i}].{name}", module)
         for i, model in enumerate(models)
-        for name, module in model.named_modules()
+        # every name a module is reached by (a shared module, an alias attribute): each is real
+        for name, module in model.named_modules(remove_duplicate=False)
     ]
     chosen: dict[int, nn.Module] = {}
     for entry in entries:
@@ -415,6 +418,15 @@ def plan_precision(
     per tensor]. ``fp32_modules`` is :func:`resolve_fp32_modules`'s result."""
     keep_top, _ = fp32_modules
     chosen: dict[int, nn.Module] = {id(m): m for m in keep_top}
+    # A module given the FP32 forward before wrap (``distamp.autocast_exclude``) casts its
+    # inputs up: its weights must stay FP32 too (an audit: cast by O2, it crashed at the first
+    # forward on "mat1 and mat2 must have the same dtype").
+    covered = {id(sub) for m in keep_top for sub in m.modules()}
+    for model in models:
+        for module in model.modules():  # pre-order: an outer one covers its subtree
+            if isinstance(module, FP32NormModule) and id(module) not in covered:
+                chosen[id(module)] = module
+                covered.update(id(sub) for sub in module.modules())
     target = props.cast_model_type if props.model_is_cast else None
     if target is None:
         return PrecisionPlan(
@@ -530,6 +542,15 @@ def cast_model(model: nn.Module, props: Properties, device_type: str, plan: Prec
     for module in plan.fp32_modules:
         if id(module) in mine:
             keep_fp32(module, plan.half_dtype, classes)
+            # [Note: the whole kept subtree runs in FP32] Every module inside a kept one gets the
+            # FP32 forward too: a kept ModuleList is never called, a kept module's child may be
+            # called by another module (``self.attn.q(x)`` from the parent, a block shared with
+            # a half one), and each then ran its FP32 weights on half inputs ("mat1 and mat2
+            # must have the same dtype") or under O1's autocast (an audit). Called from inside
+            # the kept module they cast nothing (their inputs are FP32 already).
+            for sub in module.modules():
+                if sub is not module:
+                    keep_fp32(sub, None, classes)
     cast_tensors(model, plan)
     model.__class__ = _subclass(
         type(model),

@@ -39,8 +39,9 @@ def check_and_unscale_(
 ) -> torch.Tensor:
     """Multiply ``grads`` by ``inv_scale`` in place; a float32 flag on ``device``: any inf/NaN?
 
-    Sparse COO gradients (``nn.Embedding(sparse=True)``) are read through their values, as torch's
-    GradScaler does; an uncoalesced FP16 one is also checked coalesced, because summing the
+    Complex gradients are read as their real view (an audit: a complex parameter made every
+    step raise, O0 included). Sparse COO gradients (``nn.Embedding(sparse=True)``) are read
+    through their values, as torch's GradScaler does; an uncoalesced FP16 one is also checked coalesced, because summing the
     duplicate indices of scaled FP16 values is where such a gradient overflows.
     """
     dense: list[torch.Tensor] = []
@@ -50,6 +51,8 @@ def check_and_unscale_(
             if grad.dtype == torch.float16 and not grad.is_coalesced():
                 coalesced_copies.append(grad.coalesce()._values())
             dense.append(grad._values())
+        elif grad.is_complex():  # its real and imaginary parts (the kernel takes real dtypes)
+            dense.append(torch.view_as_real(grad))
         else:
             dense.append(grad)
     flag = torch.zeros(1, dtype=torch.float32, device=device)

@@ -627,7 +627,9 @@ class ScalerGroup:
                 "weights in place, so DDP's gradient hooks never fire: wrap first, then DDP); a "
                 "DDP over another process group than wrap's (pass the same group to "
                 "distamp.wrap(..., process_group=...) and to DDP); no DDP (no all-reduce) at "
-                "all; or a parameter DDP does not reduce (frozen when DDP was built: rebuild DDP "
+                "all; a step after backwards DDP never synced (every micro-batch under "
+                "ddp.no_sync(), or require_backward_grad_sync left False: sync the last one); or "
+                "a parameter DDP does not reduce (frozen when DDP was built: rebuild DDP "
                 "after unfreezing). Ranks that train apart on purpose: wrap with process_group="
                 "a one-rank group (dist.new_subgroups(group_size=1)[0])"
             )

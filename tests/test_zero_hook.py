@@ -663,3 +663,37 @@ def test_overlapped_update_gather_with_inference_threads_and_copies(monkeypatch)
             assert torch.equal(a, b)
     for a, b in zip(threaded[0][0], threaded[1][0], strict=True):
         assert torch.equal(a, b)
+
+
+def _never_synced(rank: int, world: int, level: str) -> str:
+    """A step after a backward DDP never synced, with the reduce-scatter hook."""
+    import torch.nn.functional as F
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {"shard_master_weights": True} if level == "O0" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **extra)
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    x, y = _batch(rank, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with ddp.no_sync():  # every micro-batch of the step: the leftovers at an epoch's end
+        loss = F.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    try:
+        opt.step()
+        return "stepped"
+    except RuntimeError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return str(exc) if unchanged else "raised after changing the weights"
+
+
+@pytest.mark.parametrize("level", ["O2", "O0"])
+def test_a_step_after_backwards_ddp_never_synced_is_refused_with_the_hook_too(level):
+    """An audit: without the hook such a step is refused (the gradients differ between ranks);
+    with reduce_scatter=True each shard stepped with its owner's own gradient, the ranks
+    identical and the training wrong, silently."""
+    for message in run_ranks(_never_synced, 2, level):
+        assert "expected the model's gradients identical on every rank" in message, message
+        assert "no_sync" in message

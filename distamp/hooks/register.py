@@ -182,6 +182,11 @@ def register(
         masters.armed_grad_buffer()
         ddp_model.register_comm_hook(zero, zero_reduce_hook)
         masters.staging_hooks += 1
+        # Left out of DDP's reduction on purpose: their gradients may differ between ranks.
+        ignored = getattr(ddp_model, "parameters_to_ignore", ())
+        masters.ddp_ignored |= {
+            id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
+        }
         if overlap_gather:
             masters.wait_in_forward(ddp_model.module)
             masters.overlap_gather = True

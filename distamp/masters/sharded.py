@@ -114,6 +114,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         buffer for the two halves]."""
         self.staging_hooks = 0
         """Reduce-scatter hooks registered on these masters (the staging is shared with one)."""
+        self.ddp_ignored: set[int] = set()
+        """ids of the parameters the DDP model of a reduce-scatter hook ignores (not reduced)."""
 
     @classmethod
     def take(
@@ -508,9 +510,17 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         if self.world < 2:
             return None
         kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
-        sampled: list[torch.Tensor] = []
-        if not self.staging_hooks:
-            sampled = grad_samples([p for layout in self.groups for p in layout.params])
+        params = [p for layout in self.groups for p in layout.params]
+        if self.staging_hooks:
+            # Under the reduce-scatter hook the model's .grad stay each rank's own where the
+            # hook reduced; elsewhere they are what the shard steps, and must agree: a step
+            # after backwards that DDP never synced (every micro-batch under no_sync) stepped
+            # each shard with its owner's own gradient, the ranks identical, the training
+            # wrong, silently (an audit). ``reduced`` and ``ddp_ignored`` are alike everywhere.
+            params = [
+                p for p in params if id(p) not in self.reduced and id(p) not in self.ddp_ignored
+            ]
+        sampled = grad_samples(params)
         device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
         return torch.cat([bit_hash(kept, device), bit_hash(sampled, device)])
 

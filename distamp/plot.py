@@ -76,12 +76,18 @@ def read_run(run_dir: str | Path) -> Run:
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
-    """Means of each ``window`` consecutive values (``len(values) - window + 1`` of them)."""
-    total = sum(values[:window])
-    means = [total / window]
+    """Means of each ``window`` consecutive values (``len(values) - window + 1`` of them), of the
+    finite values in each window (NaN where it holds none): a running total kept one NaN loss
+    (a skipped step's) for good and the smoothed curve vanished for the rest of the run (an
+    audit)."""
+    finite = [v if math.isfinite(v) else 0.0 for v in values]
+    counts = [1 if math.isfinite(v) else 0 for v in values]
+    total, count = sum(finite[:window]), sum(counts[:window])
+    means = [total / count if count else math.nan]
     for i in range(window, len(values)):
-        total += values[i] - values[i - window]
-        means.append(total / window)
+        total += finite[i] - finite[i - window]
+        count += counts[i] - counts[i - window]
+        means.append(total / count if count else math.nan)
     return means
 
 
@@ -141,8 +147,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     # The format from the target's own suffix (the temporary name's made every file a PNG).
-    fig.savefig(partial, format=target.suffix.lstrip(".").lower() or "png")
-    partial.replace(target)  # a viewer never sees half a file
+    try:
+        fig.savefig(partial, format=target.suffix.lstrip(".").lower() or "png")
+        partial.replace(target)  # a viewer never sees half a file
+    finally:
+        partial.unlink(missing_ok=True)  # a failed save or rename leaves nothing behind
     return target
 
 

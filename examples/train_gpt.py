@@ -317,8 +317,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "
             + ("a file" if Path(args.resume).exists() else "nothing at that path")
         )
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.fail_at_step < 0:
+        parser.error(f"--fail-at-step must be >= 0 (0: never), got {args.fail_at_step}")
+    if args.json is not None:
+        if args.json.is_dir():
+            parser.error(f"--json {args.json}: expected a file path, found a folder")
+        check_ckpt_dir(parser, args.json.parent, flag="--json's folder")
     if not args.data_mb > 0:
         parser.error(f"--data-mb must be > 0, got {args.data_mb}")
     if args.seq_len + 1 > args.data_mb * 2**20:
@@ -333,6 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--shard-weights shards FP32 weights (O0/O1); --opt-level {args.opt_level} has "
             + ("FP32 masters, sharded across ranks already" if args.opt_level == "O2" else "none")
         )
+    if args.reduce_scatter and args.opt_level == "O3":
+        parser.error("--reduce-scatter needs sharded FP32 masters; --opt-level O3 has none")
     if args.reduce_scatter and args.opt_level in ("O0", "O1") and not args.shard_weights:
         parser.error(
             f"--reduce-scatter with --opt-level {args.opt_level} needs sharded FP32 weights: "
@@ -573,17 +581,18 @@ def save(
     )
     if progress.enabled:
         progress.print(f"saved {directory} in {time.perf_counter() - start:.2f} s")
-        # Prune only intact checkpoints of this step or earlier, never the one just written: an
-        # audit found a damaged newer one (or a later step of an earlier run in the same folder)
-        # counted among the newest, and the fresh save deleted.
-        ours = [
-            Path(path)
-            for saved, path in distamp.checkpoint.list_checkpoints(args.ckpt_dir)
-            if saved <= step
-        ]
-        for old in ours[: -args.keep] if args.keep > 0 else []:
-            if old.resolve() != directory.resolve():
+    # Prune only this run's checkpoints (the ones it saved, and those of the run it resumed
+    # from), never the one just written nor another run's in the same folder: audits found a
+    # damaged newer one counted among the newest and the fresh save deleted, and a fresh run's
+    # --keep deleting an earlier run's checkpoints.
+    ours: list[Path] = args.run_checkpoints
+    ours[:] = [p for p in ours if p.resolve() != directory.resolve()] + [directory]
+    if progress.enabled and args.keep > 0:
+        for old in ours[: -args.keep]:
+            if old.is_dir():
                 shutil.rmtree(old)
+    if args.keep > 0:
+        del ours[: -args.keep]
 
 
 def inject_failure(step: int) -> None:
@@ -676,8 +685,10 @@ class Progress:
             metrics = self.run_dir / "metrics.jsonl"
             kept = []
             if metrics.is_file() and first_step > 1:
-                for line in metrics.read_text().splitlines():
-                    with contextlib.suppress(ValueError):
+                # A damaged line (cut by a killed rank, garbage) is dropped, not fatal: it made
+                # every restart of an elastic job fail (an audit).
+                for line in metrics.read_text(errors="replace").splitlines():
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
                         if json.loads(line)["step"] < first_step:
                             kept.append(line + "\n")
             metrics.write_text("".join(kept))
@@ -863,9 +874,11 @@ def main() -> None:
             distamp.hooks.register(  # distamp: ZeRO's gradient path
                 train_model, optimizer, reduce_scatter=True, overlap_gather=True
             )
-        elif args.comm_hook and (args.opt_level != "O0" or "auto" in why):
-            distamp.hooks.register(train_model, optimizer)
-        hooked = args.comm_hook and (shard_fp32 or args.opt_level != "O0" or "auto" in why)
+        elif args.comm_hook and (args.opt_level != "O0" or ("auto" in why and world_size > 1)):
+            distamp.hooks.register(train_model, optimizer)  # (auto's O0 alone: nothing to reduce)
+        hooked = args.comm_hook and (
+            shard_fp32 or args.opt_level != "O0" or ("auto" in why and world_size > 1)
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
@@ -907,12 +920,28 @@ def main() -> None:
                 "resumes the highest step in the folder",
                 flush=True,
             )
+    args.run_checkpoints = []  # what --keep may prune: see save()
     if resume_from is not None:
         extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
         scheduler.load_state_dict(extra["scheduler"])
         first_step = int(extra["step"]) + 1
+        if args.ckpt_dir is not None:  # the run this one continues
+            args.run_checkpoints = [
+                Path(path)
+                for saved, path in distamp.checkpoint.list_checkpoints(args.ckpt_dir)
+                if saved <= int(extra["step"])
+            ]
         if is_main:
             print(f"resumed from {resume_from} (step {extra['step']})", flush=True)
+            restored = optimizer.param_groups[0]
+            if (scheduler.base_lrs[0], restored["weight_decay"]) != (args.lr, args.weight_decay):
+                # The checkpoint's schedule and hyperparameters win (an audit: silently).
+                print(
+                    f"note: --lr {args.lr:g} and --weight-decay {args.weight_decay:g} are not "
+                    f"applied: the checkpoint's schedule (peak lr {scheduler.base_lrs[0]:g}) and "
+                    f"weight decay ({restored['weight_decay']:g}) go on",
+                    flush=True,
+                )
             if first_step > args.steps:
                 print(
                     f"nothing to do: the checkpoint is at step {extra['step']} of --steps "

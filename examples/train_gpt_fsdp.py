@@ -14,6 +14,7 @@ and sharded checkpoints (which load at another world size).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from train_gpt import (
     Progress,
     RandomWindows,
     add_progress_arguments,
+    check_ckpt_dir,
     check_progress_arguments,
     leave_without_destructors,
     load_stdlib_bytes,
@@ -77,8 +79,13 @@ def parse_args() -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0 or args.clip < 0 or not args.data_mb > 0:
-        parser.error("expected --lr > 0, --clip >= 0 and --data-mb > 0")
+    if not (args.lr > 0 and math.isfinite(args.lr)) or args.clip < 0 or not args.data_mb > 0:
+        parser.error(
+            f"expected a finite --lr > 0, --clip >= 0 and --data-mb > 0, got --lr {args.lr}, "
+            f"--clip {args.clip}, --data-mb {args.data_mb}"
+        )
+    if args.ckpt_dir is not None:  # before training, not at the save after it (an audit)
+        check_ckpt_dir(parser, args.ckpt_dir)
     if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
         parser.error(
             f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "

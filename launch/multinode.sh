@@ -72,6 +72,22 @@ if [[ -z "$MASTER_ADDR" ]]; then
     [[ "$NNODES" == 1 ]] || { echo "multinode.sh: --master HOST is needed with --nnodes $NNODES" >&2; exit 2; }
     MASTER_ADDR=127.0.0.1
 fi
+# Checked here, not by torchrun's traceback or a rendezvous that waits for a node that cannot
+# come (an audit: --node-rank 3 of 1 node hung silently).
+if [[ ! "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
+    echo "multinode.sh: --nnodes expects N or MIN:MAX (whole numbers >= 1), got '$NNODES'" >&2
+    exit 2
+fi
+if [[ -n "$NODE_RANK" ]]; then
+    if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || { [[ "$NNODES" =~ ^[0-9]+$ ]] && (( NODE_RANK >= NNODES )); }; then
+        echo "multinode.sh: --node-rank expects a whole number from 0 to $NNODES - 1 (--nnodes $NNODES), got '$NODE_RANK'" >&2
+        exit 2
+    fi
+fi
+if [[ "$MASTER_PORT" == "" || ! "$MASTER_PORT" =~ ^[0-9]+$ ]]; then
+    echo "multinode.sh: --master HOST:PORT expects a port number, got '$MASTER_PORT'" >&2
+    exit 2
+fi
 
 source "$(dirname "$0")/common.sh"
 
@@ -93,7 +109,11 @@ if command -v ip >/dev/null; then
         IFACE=$(ip -o -4 addr show to "$MASTER_IP/32" | awk '{print $2; exit}')
         [[ -n "$IFACE" ]] || IFACE=$(ip -o route get "$MASTER_IP" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' || true)
     fi
-    LOCAL_ADDR=$(ip -o -4 addr show dev "$IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
+    if [[ -n "$IFACE" ]] && ! ip link show dev "$IFACE" >/dev/null 2>&1; then
+        echo "multinode.sh: --iface $IFACE: no such interface here ('ip -o link' lists them)" >&2
+        exit 2
+    fi
+    LOCAL_ADDR=$(ip -o -4 addr show dev "$IFACE" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}' || true)
 elif [[ -z "$IFACE" ]]; then
     echo "multinode.sh: no 'ip' command (iproute2) to find the interface: pass --iface" >&2
 fi

@@ -13,7 +13,15 @@ from train_gpt import parse_args
 BAD = {
     "negative threads": (["--threads", "-1"], "--threads must be >= 0"),
     "no data": (["--data-mb", "0"], "--data-mb must be > 0"),
-    "negative lr": (["--lr=-1e-3"], "--lr must be > 0"),
+    "negative lr": (["--lr=-1e-3"], "--lr must be a finite number > 0"),
+    "infinite lr": (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    "negative fail-at-step": (["--fail-at-step", "-3"], "--fail-at-step must be >= 0"),
+    "json a folder": (
+        ["--json", str(Path(__file__).parent)],
+        "expected a file path, found a folder",
+    ),
+    "json under a file": (["--json", str(Path(__file__) / "sum.json")], "found a file"),
+    "reduce-scatter at O3": (["--reduce-scatter", "--opt-level", "O3"], "O3 has none"),
     "negative clip": (["--clip", "-1"], "--clip must be >= 0"),
     "negative weight decay": (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     "window longer than the data": (

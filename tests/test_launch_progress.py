@@ -3,6 +3,7 @@ plain lines in a log file, nothing from other ranks, runs/NAME/metrics.jsonl and
 ``python -m distamp.plot`` redrawing it."""
 
 import json
+import math
 import os
 import pty
 import re
@@ -175,6 +176,9 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
 
     # Many records: a running mean is drawn over the raw losses.
     assert plot.running_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
+    # a NaN loss (a skipped step's) counts in no window: it used to blank the rest of the curve
+    means = plot.running_mean([1.0, float("nan"), 3.0, 5.0, float("nan"), float("nan")], 2)
+    assert means[:4] == [1.0, 3.0, 4.0, 5.0] and math.isnan(means[4])
     long_run = tmp_path / "runs" / "long"
     long_run.mkdir()
     lines = [json.dumps({"step": s, "loss": 1 / s, "loss_scale": 1.0}) for s in range(1, 81)]
@@ -282,3 +286,7 @@ def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_p
     )
     assert "(step 3)" in out, out
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005"]
+    # a fresh run in the same folder never prunes the earlier run's checkpoints (an audit: its
+    # --keep deleted an earlier run's lower step, as its own note promised it would not)
+    run([*base, "--steps", "6", "--save-every", "6", "--keep", "1", "--resume", "none"], tmp_path)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005", "step_000006"]

@@ -1034,7 +1034,13 @@ def main() -> None:
     }
     if is_main and timed:
         print(
-            f"done: {args.steps} steps | final loss {loss_sum.item():.4f} | median step "
+            f"done: {args.steps} steps"
+            + (
+                f" ({len(step_times)} run here, after step {first_step - 1})"
+                if first_step > 1
+                else ""
+            )
+            + f" | final loss {loss_sum.item():.4f} | median step "
             f"{summary['median_step_s'] * 1e3:.1f} ms (mean {summary['mean_step_s'] * 1e3:.1f}, "
             + (
                 f"first {WARMUP_STEPS_EXCLUDED} excluded"

@@ -311,12 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.ckpt_dir is not None:
         check_ckpt_dir(parser, args.ckpt_dir)
-    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
-        # Before any process group or model: a typo used to fail only in load_checkpoint.
-        parser.error(
-            f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "
-            + ("a file" if Path(args.resume).exists() else "nothing at that path")
-        )
+    check_resume(parser, args.resume)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.fail_at_step < 0:
@@ -348,6 +343,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     check_progress_arguments(parser, args, run_name=f"gpt-{args.size}")
     return args
+
+
+def check_resume(parser: argparse.ArgumentParser, resume: str) -> None:
+    """--resume is 'auto', 'none' or an existing checkpoint folder, checked before any process
+    group or model: a typo used to fail only in load_checkpoint."""
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        parser.error(
+            f"--resume {resume}: expected 'auto', 'none' or a checkpoint folder, found "
+            + ("a file" if Path(resume).exists() else "nothing at that path")
+        )
 
 
 def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--ckpt-dir") -> None:

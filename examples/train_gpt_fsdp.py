@@ -32,6 +32,7 @@ from train_gpt import (
     add_progress_arguments,
     check_ckpt_dir,
     check_progress_arguments,
+    check_resume,
     leave_without_destructors,
     load_stdlib_bytes,
     lr_lambda,
@@ -86,11 +87,7 @@ def parse_args() -> argparse.Namespace:
         )
     if args.ckpt_dir is not None:  # before training, not at the save after it (an audit)
         check_ckpt_dir(parser, args.ckpt_dir)
-    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
-        parser.error(
-            f"--resume {args.resume}: expected 'auto', 'none' or a checkpoint folder, found "
-            + ("a file" if Path(args.resume).exists() else "nothing at that path")
-        )
+    check_resume(parser, args.resume)
     check_progress_arguments(parser, args, run_name=f"gpt-fsdp-{args.size}")
     return args
 

@@ -316,6 +316,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.fail_at_step < 0:
         parser.error(f"--fail-at-step must be >= 0 (0: never), got {args.fail_at_step}")
+    if args.fail_at_step > args.steps:
+        parser.error(
+            f"--fail-at-step {args.fail_at_step}: expected a step within --steps {args.steps} "
+            "(0: never; launch/elastic.sh sets it from FAIL_AT, default 25)"
+        )
     if args.json is not None:
         if args.json.is_dir():
             parser.error(f"--json {args.json}: expected a file path, found a folder")

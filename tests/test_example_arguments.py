@@ -16,6 +16,10 @@ BAD = {
     "negative lr": (["--lr=-1e-3"], "--lr must be a finite number > 0"),
     "infinite lr": (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     "negative fail-at-step": (["--fail-at-step", "-3"], "--fail-at-step must be >= 0"),
+    "fail-at-step past the end": (
+        ["--steps", "10", "--fail-at-step", "25"],
+        "--fail-at-step 25: expected a step within --steps 10",
+    ),
     "json a folder": (
         ["--json", str(Path(__file__).parent)],
         "expected a file path, found a folder",

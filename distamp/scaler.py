@@ -30,7 +30,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
-from .masters.base import grad_version
+from .masters.base import bit_hash, grad_samples, grad_version
 from .optstate import OptState
 
 if TYPE_CHECKING:
@@ -297,7 +297,30 @@ class ScalerGroup:
         self.found_inf_collectives = 0
         """All-reduces issued for the skip decision (at most one per optimizer step)."""
         self.models: list[weakref.ref[nn.Module]] = []
-        """The models of the wrap call (weak: only to explain misuse in error messages)."""
+        """The models of the wrap call (weak: to explain misuse in error messages, and to read
+        DDP's ignore list, see :meth:`ddp_ignored`)."""
+        self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
+
+    def ddp_ignored(self) -> frozenset[int]:
+        """ids of the parameters DDP leaves out of its reduction because the script named them
+        (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``): their
+        gradients may differ between ranks, as with plain DDP (the script reduces them itself,
+        or not). The replica check leaves them out: it refused every such script at O2/O3 and
+        with sharded masters (an audit). Read from the wrapped models at each decision (the
+        list may be set after wrap), recomputed only when it changes."""
+        lists = [
+            getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+            for model in (ref() for ref in self.models)
+        ]
+        key = tuple(id(names) for names in lists if names)
+        if key != self._ignored[0]:
+            ids = set()
+            for ref, names in zip(self.models, lists, strict=True):
+                model = ref()
+                if model is not None and names:
+                    ids |= {id(p) for n, p in model.named_parameters() if n in set(names)}
+            self._ignored = (key, frozenset(ids))
+        return self._ignored[1]
 
     def nonfinite_weight(self) -> str | None:
         """The first parameter of the wrapped models holding inf/NaN on this rank, as "name
@@ -485,8 +508,9 @@ class ScalerGroup:
 
     # -- step ------------------------------------------------------------------------------------
 
-    def unscale_and_decide(self, st: AmpOptimizerState) -> None:
+    def unscale_and_decide(self, st: AmpOptimizerState, api: str = "optimizer.step()") -> None:
         """Collective (see [Note: one decision for all ranks]): unscale, then decide the skip.
+        ``api``: the call that asked, for the errors.
 
         One MAX all-reduce of one flag per undecided block of ``st``; none when every block was
         decided by another optimizer's step already.
@@ -529,7 +553,7 @@ class ScalerGroup:
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
             if self.process_group is not None and self.world > 1:
-                replicas = st.masters.replica_fingerprint()
+                replicas = st.masters.replica_fingerprint(self.ddp_ignored())
                 if replicas is not None:
                     parts.append(replicas.to(device, torch.float64))
             vector = torch.cat(parts)
@@ -545,7 +569,7 @@ class ScalerGroup:
             if replicas is not None:
                 # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
                 skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
-                self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping)
+                self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             st.decision_report = read_evidence(
                 evidence, [b.loss_id for b in undecided], n_params, named, self.world
@@ -562,14 +586,32 @@ class ScalerGroup:
     def _refuse_different_block_counts(
         self, st: AmpOptimizerState, mine: float, seen: list[float]
     ) -> None:
-        """See [Note: a fixed-size decision vector]: every rank raises, naming the counts."""
+        """See [Note: a fixed-size decision vector]: every rank raises, naming the counts and
+        the causes that fit them (an audit: a rank out of batches under torch's Join was told
+        it had discarded one)."""
+        low, high = -seen[1], seen[0]
+        if low == 0:
+            why = (
+                "A rank that ran no backward but steps: uneven inputs (one rank out of batches: "
+                "torch's Join, or ZeroRedundancyOptimizer's join hook, steps the optimizer there "
+                "with nothing to step; distamp's optimizer is not Joinable — give every rank the "
+                "same number of batches, DistributedSampler(drop_last=True), or stop all ranks at "
+                "the first that runs out with ddp.join(throw_on_early_termination=True)), or a "
+                "rank that discarded its only batch (then every rank must discard it)"
+            )
+        else:
+            why = (
+                "Uneven accumulation windows (ranks that run different numbers of micro-batches "
+                "per step: the skip decision pairs the ranks' blocks one by one — give every rank "
+                "the same window), or a rank that discarded a batch (cleared the gradients after "
+                "its backward) alone"
+            )
         raise RuntimeError(
             f"optimizer.step(): expected every rank to have run the same number of scale_loss "
-            f"blocks for this optimizer since its last step, found between {-seen[1]:g} and "
-            f"{seen[0]:g} (this rank, {self.rank}: {mine:g}). A rank that discards a batch "
-            "(clears the gradients after its backward) must have every rank discard it, as the "
-            "skip decision is shared: decide the discard from a value all ranks agree on (an "
-            "all-reduced loss, distamp.clip_grad_norm_'s global norm)"
+            f"blocks for this optimizer since its last step, found between {low:g} and "
+            f"{high:g} (this rank, {self.rank}: {mine:g}). {why}. A discard must be decided "
+            "from a value all ranks agree on (an all-reduced loss, distamp.clip_grad_norm_'s "
+            "global norm), as the skip decision is shared"
         )
 
     def _refuse_parted_settings(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:
@@ -609,8 +651,24 @@ class ScalerGroup:
             "loss); or a setting changed on some ranks only"
         )
 
+    def _first_parted_grad(self, st: AmpOptimizerState, group: dist.ProcessGroup | None) -> str:
+        """Every rank is here (all read the same reduced numbers): one more collective finds the
+        first parameter whose gradient differs between ranks, as " (first: 'name')"."""
+        params = st.masters.grads_compared(self.ddp_ignored())
+        device = next((p.device for p in params), torch.device("cpu"))
+        mine = torch.stack(
+            [bit_hash(grad_samples([p]), device)[0] for p in params]
+            or [torch.zeros((), device=device)]
+        )
+        both = torch.cat([mine, -mine])
+        all_reduce_max_(both, group)
+        parted = (both[: len(mine)] != -both[len(mine) :]).nonzero()
+        if not params or not len(parted):
+            return ""
+        return f" (first: {self.param_names.get(id(params[int(parted[0])]), '?')!r})"
+
     def _refuse_parted_replicas(
-        self, st: AmpOptimizerState, hashes: list[float], *, check_grads: bool
+        self, st: AmpOptimizerState, hashes: list[float], *, check_grads: bool, api: str
     ) -> None:
         """See [Note: clipping what param_groups hold] in masters/sharded.py and
         ``ShardedMasterParams.replica_fingerprint``: every rank reads the same reduced numbers,
@@ -618,10 +676,12 @@ class ScalerGroup:
         weights_differ = hashes[0] != -hashes[1]
         if check_grads and hashes[2] != -hashes[3]:
             group = self.process_group if self.process_group is not None else dist.group.WORLD
+            first = self._first_parted_grad(st, group)
             raise RuntimeError(
-                "optimizer.step(): expected the model's gradients identical on every rank of "
+                f"{api}: expected the model's gradients identical on every rank of "
                 f"distamp.wrap's process_group (ranks {dist.get_process_group_ranks(group)}), as "
-                "DDP's all-reduce leaves them, found them different: each rank would step with "
+                f"DDP's all-reduce leaves them, found them different{first}: each rank would "
+                "step with "
                 "gradients the others never saw and the ranks' weights would part. The usual "
                 "causes: DistributedDataParallel built before distamp.wrap (O2/O3 cast the "
                 "weights in place, so DDP's gradient hooks never fire: wrap first, then DDP); a "
@@ -630,8 +690,11 @@ class ScalerGroup:
                 "all; a step after backwards DDP never synced (every micro-batch under "
                 "ddp.no_sync(), or require_backward_grad_sync left False: sync the last one); or "
                 "a parameter DDP does not reduce (frozen when DDP was built: rebuild DDP "
-                "after unfreezing). Ranks that train apart on purpose: wrap with process_group="
-                "a one-rank group (dist.new_subgroups(group_size=1)[0])"
+                "after unfreezing; one you meant DDP to leave alone: name it with "
+                "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model before "
+                "building DDP, and distamp leaves it out of this check too). Ranks that train "
+                "apart on purpose: wrap with process_group=a one-rank group "
+                "(dist.new_subgroups(group_size=1)[0])"
             )
         if not weights_differ:
             return

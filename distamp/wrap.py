@@ -750,7 +750,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
             "the last step(); expected `with distamp.scale_loss(loss, optimizer) as s: "
             "s.backward()` first"
         )
-    unscale_now(st)
+    unscale_now(st, "distamp.unscale_()")
 
 
 def clip_grad_norm_(
@@ -781,7 +781,7 @@ def clip_grad_norm_(
         )
     drop_cleared_gradients(st)
     if st.state is OptState.SCALED:
-        st.group.unscale_and_decide(st)
+        st.group.unscale_and_decide(st, "distamp.clip_grad_norm_()")
     elif st.state is OptState.READY:
         raise RuntimeError(
             "clip_grad_norm_() was called but no distamp.scale_loss() backward ran on this "

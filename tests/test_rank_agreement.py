@@ -208,3 +208,81 @@ def test_ddp_built_before_wrap_is_refused_with_replicated_weights(level):
         assert (
             message is not None and "DistributedDataParallel built before distamp.wrap" in message
         )
+        assert "found them different (first: '0.weight')" in message, message
+
+
+IGNORED = ["2.weight", "2.bias"]
+
+
+def _batches(gen, world):
+    return [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(world)
+    ]
+
+
+def _ignored_reduced_by_hand(rank, world, level, kwargs):
+    """DDP told to leave the head alone (the script reduces it itself, after unscale_)."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **kwargs)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, IGNORED)
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        batches = _batches(gen, world)
+        x, y = batches[rank]
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        distamp.unscale_(opt)
+        for name, param in model.named_parameters():
+            if name in IGNORED:
+                torch.distributed.all_reduce(param.grad)
+                param.grad /= world
+        opt.step()
+        opt.zero_grad()
+    return {k: v.float() for k, v in model.state_dict().items()}
+
+
+def _fp32_reference(world):
+    """One process, FP32, the ranks' batches together."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        batches = _batches(gen, world)
+        x, y = (torch.cat(t) for t in zip(*batches, strict=True))
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    "level,kwargs,tol",
+    [
+        ("O2", {"half_dtype": torch.float16}, 2e-3),
+        ("O2", {"half_dtype": torch.float16, "shard_master_weights": False}, 2e-3),
+        ("O3", {"half_dtype": torch.float16}, 1e-2),
+        ("O0", {"shard_master_weights": True}, 1e-6),
+    ],
+    ids=["O2-sharded", "O2-replicated", "O3", "O0-sharded"],
+)
+@pytest.mark.parametrize("shard_block", [8], indirect=True)
+def test_parameters_ddp_ignores_and_the_script_reduces_train_like_fp32(
+    level, kwargs, tol, shard_block
+):
+    """Parameters named in DDP's ignore list hold each rank's own gradient until the script
+    reduces them: distamp's check that the ranks' gradients agree refused every such script at
+    O2/O3 and with sharded masters, on every rank, naming no parameter (an audit). Left out of
+    the check, they train as one FP32 process over both ranks' batches (within ``tol``)."""
+    expected = _fp32_reference(2)
+    for weights in run_ranks(_ignored_reduced_by_hand, 2, level, kwargs, timeout=120):
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, atol=tol, rtol=0, msg=name)

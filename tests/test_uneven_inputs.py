@@ -4,6 +4,8 @@ for a rank that ran out of batches. ``ddp.join(throw_on_early_termination=True)`
 option) stops every rank together at the first step one rank lacks: no hang, the ranks' weights
 and distamp's step counts identical, and the caught error is torch's."""
 
+import contextlib
+
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -52,3 +54,54 @@ def test_join_with_throw_on_early_termination_stops_every_rank_at_the_same_step(
     assert steps0 == steps1 == 3
     for name, value in w0.items():
         assert torch.equal(value, w1[name]), name
+
+
+def _join_with_zero_or_uneven_window(rank, world, case):
+    """Nothing discarded, yet the ranks ran different numbers of blocks before a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    if case == "zero-join":
+        # torch's Join([ddp, ZeroRedundancyOptimizer]) steps the optimizer on the rank that ran
+        # out of batches (its join hook), with no backward there
+        from torch.distributed.algorithms.join import Join
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+        ddp = DDP(model)
+        context = Join([ddp, opt])
+        windows = [1] * (3 if rank == 0 else 2)
+    else:  # rank 0 accumulates 3 micro-batches per step, rank 1 two
+        model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+        ddp = DDP(model)
+        context = contextlib.nullcontext()
+        windows = [3 if rank == 0 else 2]
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        with context:
+            for window in windows:
+                for micro in range(window):
+                    last = micro == window - 1  # DDP syncs the last backward of the window
+                    with contextlib.nullcontext() if last else ddp.no_sync():
+                        loss = ddp(torch.randn(4, 8, generator=gen)).float().square().mean()
+                        with distamp.scale_loss(loss, opt) as scaled:
+                            scaled.backward()
+                opt.step()
+                opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case", ["zero-join", "uneven-window"])
+def test_ranks_with_different_block_counts_are_told_the_cause_that_fits(case):
+    """Both used to be told "a rank that discards a batch" (an audit); the refusal itself is
+    right (the decision pairs the ranks' blocks one by one), the explanation now fits."""
+    for message in run_ranks(_join_with_zero_or_uneven_window, 2, case, timeout=120):
+        assert message is not None and "same number of scale_loss blocks" in message
+        if case == "zero-join":
+            assert "found between 0 and 1" in message, message
+            assert "uneven inputs" in message and "throw_on_early_termination" in message
+        else:
+            assert "found between 2 and 3" in message, message
+            assert "Uneven accumulation windows" in message

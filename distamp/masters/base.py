@@ -46,7 +46,8 @@ class MasterWeights(Protocol):
     def shard_grad_sample(self) -> torch.Tensor | None: ...
     def scaled_grad_sample(self) -> torch.Tensor | None: ...
     def take_written_weights(self) -> None: ...
-    def replica_fingerprint(self) -> torch.Tensor | None: ...
+    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None: ...
+    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]: ...
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
@@ -117,9 +118,13 @@ class ModelGrads:
         parameter (see [Note: clipping what param_groups hold] in sharded.py); none here."""
         return []
 
-    def replica_fingerprint(self) -> torch.Tensor | None:
+    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
         """See [Note: clipping what param_groups hold] in sharded.py; None: nothing to compare."""
         return None
+
+    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
+        """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
+        return []
 
     def shard_grad_sample(self) -> torch.Tensor | None:
         """See [Note: clipping what param_groups hold] in sharded.py; None: no shards here."""

@@ -535,12 +535,12 @@ def _check_inner_state(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -
                 )
 
 
-def unscale_now(st: AmpOptimizerState) -> None:
+def unscale_now(st: AmpOptimizerState, api: str = "optimizer.step()") -> None:
     """Collective: unscale ``st``'s pending gradients, take the skip decision, and leave the model's
     gradients unscaled too (see [Note: unscale_ then torch's clip_grad_norm_])."""
     assert st.grad_scale is not None
     inv_scale = 1.0 / st.grad_scale
-    st.group.unscale_and_decide(st)
+    st.group.unscale_and_decide(st, api)
     st.masters.expose_unscaled(inv_scale)
     st.record_shard_grads()
 

@@ -96,7 +96,7 @@ class MasterParams(ModelGrads):
                     self.load_value(p, p.detach(), written=True)
         self._record_weights()
 
-    def replica_fingerprint(self) -> torch.Tensor | None:
+    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
         """``[0, 0, hg, -hg]`` (the layout of ``ShardedMasterParams.replica_fingerprint``, no
         weights to compare): ``hg`` hashes the first values of every model gradient, identical on
         every rank once DDP's all-reduce made them. A DDP built before wrap (O2/O3 cast the
@@ -104,12 +104,17 @@ class MasterParams(ModelGrads):
         group than wrap's, or none at all left each rank stepping its own gradients and the
         replicas drifted apart, silently (an audit: 4.4e-2 after 3 steps). None when no weight
         is cast (O0, O1): DDP built before wrap works there, and ranks that train apart without
-        DDP are plain torch's semantics, as they are for an uncast model."""
+        DDP are plain torch's semantics, as they are for an uncast model. ``ignored``: the
+        parameters DDP was told to leave alone (see ``ScalerGroup.ddp_ignored``)."""
         if not any(p.dtype in HALF_DTYPES for p in self.model_params):
             return None
-        sampled = grad_samples(self.model_params)
+        sampled = grad_samples(self.grads_compared(ignored))
         device = next((t.device for t in sampled), torch.device("cpu"))
         return torch.cat([torch.zeros(2, device=device), bit_hash(sampled, device)])
+
+    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
+        """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
+        return [p for p in self.model_params if id(p) not in ignored]
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps."""

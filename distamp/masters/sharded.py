@@ -498,7 +498,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         ]
         return torch.cat(parts) if parts else None
 
-    def replica_fingerprint(self) -> torch.Tensor | None:
+    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
         """``[hw, -hw, hg, -hg]``: bit hashes of what must be identical on every rank of the
         masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
         max(h) == -max(-h)): ``hw`` of the parameters every rank steps whole, ``hg`` of the first
@@ -506,23 +506,29 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         reduce-scatter hook). A DDP over a subgroup of wrap's group left them different: each
         rank stepped its shard with its own subgroup's gradients and the gather stitched the
         shards together, the ranks identical and the training wrong, silently (an audit).
-        None at one rank."""
+        None at one rank. ``ignored``: the parameters DDP was told to leave alone (see
+        ``ScalerGroup.ddp_ignored``): each shard steps with its owner's gradient there, as the
+        README says."""
         if self.world < 2:
             return None
         kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
-        params = [p for layout in self.groups for p in layout.params]
-        if self.staging_hooks:
-            # Under the reduce-scatter hook the model's .grad stay each rank's own where the
-            # hook reduced; elsewhere they are what the shard steps, and must agree: a step
-            # after backwards that DDP never synced (every micro-batch under no_sync) stepped
-            # each shard with its owner's own gradient, the ranks identical, the training
-            # wrong, silently (an audit). ``reduced`` and ``ddp_ignored`` are alike everywhere.
-            params = [
-                p for p in params if id(p) not in self.reduced and id(p) not in self.ddp_ignored
-            ]
-        sampled = grad_samples(params)
+        sampled = grad_samples(self.grads_compared(ignored))
         device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
         return torch.cat([bit_hash(kept, device), bit_hash(sampled, device)])
+
+    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
+        """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
+        params = [p for layout in self.groups for p in layout.params]
+        # Under the reduce-scatter hook the model's .grad stay each rank's own where the hook
+        # reduced; elsewhere they are what the shard steps, and must agree: a step after
+        # backwards that DDP never synced (every micro-batch under no_sync) stepped each shard
+        # with its owner's own gradient, the ranks identical, the training wrong, silently (an
+        # audit). ``reduced`` and the ignored parameters are alike everywhere.
+        return [
+            p
+            for p in params
+            if id(p) not in self.reduced and id(p) not in self.ddp_ignored and id(p) not in ignored
+        ]
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""

@@ -25,6 +25,10 @@ class NonFiniteReport:
     loss_id: int | None = None
     """Set when the *loss itself* was non-finite (then ``param`` names the loss): not an overflow
     of the scaled gradients, so a smaller loss scale does not fix it."""
+    after_reduce: bool = False
+    """Every rank's own gradient of ``param`` was finite; the non-finite values appeared where
+    distamp's reduce-scatter hook summed them into the shards: the 16-bit wire overflowed
+    (``rank`` is then the lowest rank whose shard holds them)."""
 
     def __str__(self) -> str:
         article = "an inf" if self.kind == "inf" else "a NaN"
@@ -32,6 +36,12 @@ class NonFiniteReport:
             return (
                 f"the loss itself (loss_id {self.loss_id}) was {article} on rank {self.rank} — "
                 "not a gradient overflow: a smaller loss scale does not fix it"
+            )
+        if self.after_reduce:
+            return (
+                f"parameter {self.param!r} had {article} gradient after its reduce-scatter, "
+                "every rank's own gradient finite: the 16-bit wire overflowed (fp16 ends at "
+                "65504; a bf16 wire keeps FP32's range)"
             )
         if self.on_every_rank:
             return (
@@ -98,8 +108,12 @@ def read_evidence(
     count: int,
     named_grads: Callable[[], Sequence[tuple[str, torch.Tensor | None]]],
     world: int,
+    *,
+    reduced_from: int | None = None,
 ) -> NonFiniteReport | None:
-    """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing)."""
+    """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing).
+    ``named_grads()`` entries from ``reduced_from`` on are reduced gradients (see
+    ``ShardedMasterParams.reduced_grads``)."""
     loss_code, grad_code, highest = (int(v) for v in evidence)
     if loss_code:
         blocks = max(1, len(loss_ids))
@@ -121,5 +135,6 @@ def read_evidence(
             rank=world - 1 - rank_part,
             kind="nan" if kind == 2 else "inf",
             on_every_rank=world > 1 and highest == index,
+            after_reduce=reduced_from is not None and index >= reduced_from,
         )
     return None

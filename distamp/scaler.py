@@ -539,10 +539,18 @@ class ScalerGroup:
             involved = [st]
             for block in undecided:
                 involved += [u for u in block.users if u not in involved]
-            n_params = sum(len(u.masters.model_params) for u in involved)
+            # Every rank's own gradients first, then what the reduce-scatter hook summed into
+            # the shards: the MAX names a rank's own non-finite gradient before any reduced one
+            # (which every owner of a piece holds), and a reduced one only when every rank's own
+            # were finite (the 16-bit wire overflowed).
+            n_local = sum(len(u.masters.model_params) for u in involved)
+            n_params = n_local + sum(u.masters.n_reduced_grads() for u in involved)
 
             def named() -> list[tuple[str, torch.Tensor | None]]:
-                return [i for u in involved for i in u.masters.named_grads(self.param_names)]
+                local = [i for u in involved for i in u.masters.named_grads(self.param_names)]
+                return local + [
+                    i for u in involved for i in u.masters.reduced_grads(self.param_names)
+                ]
 
             loss_kinds = [b.loss_kind for b in undecided]
             evidence_here = local_evidence(
@@ -572,7 +580,12 @@ class ScalerGroup:
                 self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             st.decision_report = read_evidence(
-                evidence, [b.loss_id for b in undecided], n_params, named, self.world
+                evidence,
+                [b.loss_id for b in undecided],
+                n_params,
+                named,
+                self.world,
+                reduced_from=n_local,
             )
             result = [values[i % FLAG_SLOTS] > 0 for i in range(max(1, len(undecided)))]
             if not st.backwards:
@@ -792,7 +805,10 @@ class ScalerGroup:
                     "them (without FP32 masters, e.g. O3 fp16, an optimizer eps that rounds to 0 "
                     "in fp16 divides by 0), so every forward after it fails"
                     if broken
-                    else "look for a NaN/inf produced by the forward pass or the loss itself"
+                    else "look for a NaN/inf produced by the forward pass or the loss itself, "
+                    "or, under a comm hook with an fp16 wire, gradients past fp16's range (65504) "
+                    "that were finite before the wire — a bf16 wire (distamp.hooks.register(..., "
+                    "dtype=torch.bfloat16)) keeps FP32's range"
                 )
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "

@@ -299,3 +299,34 @@ def test_adam_eps_of_1e_4_or_fp32_masters_are_not_flagged():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             distamp.wrap(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+
+
+def wire_overflow(rank, world):
+    """FP32 compute, FP32 weights sharded, gradients reduce-scattered over an fp16 wire: every
+    rank's own gradient is finite (~1e6) and past fp16's range."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O0", shard_master_weights=True, half_dtype=torch.float16, verbosity=0
+    )
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    x, y = data(1, 4 * world)[0]
+    loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4] * 1e6)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    opt.step()
+    return finite, distamp.stats(opt).last_step_skipped, distamp.stats(opt).last_nonfinite
+
+
+@pytest.mark.parametrize("shard_block", [4], indirect=True)
+def test_a_wire_overflow_in_the_reduce_scatter_is_named_as_one(shard_block):
+    """The inf lives only in the FP32 shard gradients the hook summed into: the skip named no
+    parameter, and the final error blamed the forward pass (an audit). Each rank's own
+    gradients are read first (a rank's own inf is still named with its rank, above)."""
+    names = [n for n, _ in mlp().named_parameters()]
+    for finite, skipped, report in run_ranks(wire_overflow, 2):
+        assert finite and skipped
+        assert report is not None and report.after_reduce and report.param == names[0], report
+        assert "every rank's own gradient finite: the 16-bit wire overflowed" in str(report)

@@ -233,6 +233,16 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         each = super().check_each()
         if not self.reduced:
             return each
+        pieces = self._reduced_pieces()
+        for i, param in enumerate(self.model_params):
+            if id(param) in pieces:
+                found = nonfinite_flag(pieces[id(param)], self._device())[0]
+                each[i] = torch.maximum(each[i], found)
+        return each
+
+    def _reduced_pieces(self) -> dict[int, list[torch.Tensor]]:
+        """id(parameter) -> the slices of this rank's FP32 shard gradient that the
+        reduce-scatter hook summed for it."""
         pieces: dict[int, list[torch.Tensor]] = {}
         for g, layout in enumerate(self.groups):
             flat_grad = self.shard_grads[g]
@@ -242,11 +252,27 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 if id(layout.params[index]) in self.reduced:
                     key = id(layout.params[index])
                     pieces.setdefault(key, []).append(flat_grad[dst : dst + count])
-        for i, param in enumerate(self.model_params):
-            if id(param) in pieces:
-                found = nonfinite_flag(pieces[id(param)], self._device())[0]
-                each[i] = torch.maximum(each[i], found)
-        return each
+        return pieces
+
+    def reduced_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]:
+        """Per model parameter, the slices of this rank's FP32 shard gradient the reduce-scatter
+        hook summed for it (None elsewhere); none without the hook. A 16-bit wire that
+        overflowed leaves every rank's own gradient finite and its inf only here: a skip then
+        named no parameter at all (an audit). Only read when explaining a skip."""
+        if not self.staging_hooks:
+            return []
+        pieces = self._reduced_pieces()
+        return [
+            (
+                names.get(id(p), f"<param {i}>"),
+                torch.cat(pieces[id(p)]) if id(p) in pieces else None,
+            )
+            for i, p in enumerate(self.model_params)
+        ]
+
+    def n_reduced_grads(self) -> int:
+        """len(:meth:`reduced_grads`) without building it (the same on every rank)."""
+        return len(self.model_params) if self.staging_hooks else 0
 
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
         """Fill this rank's FP32 shard grads from the model grads, unscaled; flag non-finite ones.

@@ -252,6 +252,9 @@ def _rank0_saves_optimizer(rank, world, path, shard):
     model, optimizer = distamp.wrap(
         model, optimizer, opt_level="O2", shard_master_weights=shard, verbosity=0
     )
+    # accelerate's prepare() round-trips the state dict before any step: that used up the
+    # one-shot warning, and the real save below said nothing (an audit)
+    optimizer.load_state_dict(optimizer.state_dict())
     idx = torch.randint(0, 61, (2, BLOCK))
     _, loss = model(idx, idx)
     with distamp.scale_loss(loss, optimizer) as scaled:

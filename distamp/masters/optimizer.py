@@ -342,7 +342,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
         shard = _shard_of(st)
         by_wrap = isinstance(st.masters, ShardedMasterParams)  # (FSDP's are FSDP's own habit)
-        if by_wrap and shard is not None and shard["world_size"] > 1:
+        # Not before the first step: accelerate's prepare() round-trips the state dict then, and
+        # used up the one-shot warning the real save (rank 0's, later) should give (an audit).
+        trained = st.steps > 0 or st.skipped_steps > 0
+        if by_wrap and trained and shard is not None and shard["world_size"] > 1:
             _warn_state_dict_is_a_shard(st, shard)
         out = super().state_dict()
         out["distamp"] = {

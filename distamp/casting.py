@@ -72,23 +72,28 @@ class CastPolicy:
     """Floating-point outputs are cast to this dtype; None leaves them as they are."""
 
 
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (apex's applier).
 
     Walks lists, tuples, namedtuples, mappings (their type kept: a defaultdict stays one) and
     dataclasses; other objects with a ``.to()`` method (e.g. a batch object) get ``.to(dtype)``;
-    integer tensors, strings, numbers and NumPy arrays pass through untouched.
+    integer tensors, strings, numbers and NumPy arrays pass through untouched. ``saturate``: see
+    :func:`saturating_cast`.
     """
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        if not value.is_floating_point() or value.dtype == dtype:
+            return value
+        if saturate and torch.finfo(dtype).max < torch.finfo(value.dtype).max:
+            return saturating_cast(value, dtype)
+        return value.to(dtype)
     if isinstance(value, (str, bytes, int, float, bool)) or value is None:
         return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype) for v in value))
+        return type(value)(*(cast_floating(v, dtype, saturate=saturate) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype, saturate=saturate) for v in value)
     if isinstance(value, Mapping):
-        cast = {k: cast_floating(v, dtype) for k, v in value.items()}
+        cast = {k: cast_floating(v, dtype, saturate=saturate) for k, v in value.items()}
         # A plain dict (forward's **kwargs) needs no copy, which torch.compile's fullgraph refused.
         if type(value) is dict:
             return cast
@@ -110,11 +115,29 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         out = copy.copy(instance)
         for f in dataclasses.fields(instance):
             if hasattr(value, f.name):
-                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype))
+                object.__setattr__(
+                    out, f.name, cast_floating(getattr(value, f.name), dtype, saturate=saturate)
+                )
         return out
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
         return value.to(dtype)
     return value
+
+
+def saturating_cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` with finite values beyond ``dtype``'s range rounded to its largest
+    finite value instead of to inf; inf and NaN stay as they are.
+
+    [Note: inputs cast down saturate] O2/O3 cast a model's floating inputs to the half dtype
+    (apex's casts). An FP32 additive attention mask filled with ``finfo(float32).min`` (Hugging
+    Face's own, and its users' 4D masks) became -inf even in bf16; a fully masked (padding) row's
+    softmax then gave NaN, which spread through the sequence: NaN losses every step where FP32
+    and a plain ``model.to(bfloat16)`` trained (an audit). In fp16 a ``-1e9`` mask did the same.
+    Saturated, the mask keeps what it means (HF builds its half masks from ``finfo(half).min``).
+    Real infs (a causal mask of ``float("-inf")``) are kept: their meaning is theirs.
+    """
+    big = torch.finfo(dtype).max
+    return torch.where(tensor.isinf(), tensor, tensor.clamp(-big, big)).to(dtype)
 
 
 class AmpModule(nn.Module):
@@ -129,9 +152,10 @@ class AmpModule(nn.Module):
         if probes:
             check_dtypes(self, probes)
         if policy.input_dtype is not None:
-            args = cast_floating(args, policy.input_dtype)
+            # See [Note: inputs cast down saturate].
+            args = cast_floating(args, policy.input_dtype, saturate=True)
             if kwargs:
-                kwargs = cast_floating(kwargs, policy.input_dtype)
+                kwargs = cast_floating(kwargs, policy.input_dtype, saturate=True)
         # torch.compile does not trace a context variable: a compiled forward keeps its autocast
         # (amp.disable_casts around a compiled call does not reach inside it).
         casts_off = not torch.compiler.is_compiling() and CASTS_OFF.get()

@@ -1,6 +1,7 @@
 """What wrap does to a model at each opt_level: dtypes, forward casts, autocast in any thread."""
 
 import copy
+import math
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from models import NormMLP
 from torch import nn
 
 import distamp
+from distamp.casting import cast_floating
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 HALVES = [torch.float16, torch.bfloat16]
@@ -319,3 +321,42 @@ def test_single_in_single_out_lists_in_lists_out():
     assert isinstance(out_o, list) and out_o[0] is os_[0] and out_o[1] is os_[1]
     only_model = distamp.wrap(NormMLP(), opt_level="O1")
     assert isinstance(only_model, NormMLP)
+
+
+class MaskedAttention(nn.Module):
+    """One attention head taking an additive FP32 mask, as Hugging Face's models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) + attention_mask
+        return (scores.softmax(-1) @ v).float()
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_inputs_cast_down_saturate_so_an_fp32_mask_stays_a_mask(half):
+    """An FP32 mask of finfo(float32).min turned -inf in the cast to half; a fully masked
+    (padding) row's softmax gave NaN, which spread (NaN losses at O2/O3 every step where FP32
+    trained; an audit). Finite values beyond the half range saturate; real inf/NaN stay."""
+    values = torch.tensor([torch.finfo(torch.float32).min, -1e9, 1e9, 3.0, -math.inf, math.nan])
+    out = cast_floating({"mask": values}, half, saturate=True)["mask"]
+    big = torch.finfo(half).max
+    expected = torch.tensor([-big, max(-1e9, -big), min(1e9, big), 3.0, -math.inf]).to(half)
+    assert out.dtype == half and out[:5].float().tolist() == expected.float().tolist()
+    assert math.isnan(out[5].item())
+    assert torch.isinf(cast_floating(values, half)[0])  # plain casts elsewhere stay as torch's
+
+    torch.manual_seed(0)
+    reference = MaskedAttention()
+    model = copy.deepcopy(reference)
+    model = distamp.wrap(model, opt_level="O2", half_dtype=half, verbosity=0)
+    x = torch.randn(2, 4, 8)
+    mask = torch.zeros(2, 1, 4)
+    mask[1, 0, :] = torch.finfo(torch.float32).min  # a fully masked row (left padding)
+    mask = mask.expand(2, 4, 4)
+    out = model(x, attention_mask=mask)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(x, mask), atol=0.05, rtol=0)

@@ -218,7 +218,42 @@ def wrap(
         watch_backward(state, master.model_params)
     for wrapper in wrappers:
         wrapper.__class__ = _wrapper_class(type(wrapper))
+    if optimizers is None and props.master_weights:
+        _warn_at_first_gradient_without_masters(model_list, props, names)
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _warn_at_first_gradient_without_masters(
+    models: list[nn.Module], props: Properties, names: dict[int, str]
+) -> None:
+    """Wrapped at O2 without an optimizer (apex's inference form), then trained: the optimizer
+    built afterwards (by hand, or by Hugging Face's Trainer when ``optimizers=`` is not passed)
+    stepped the half weights, with no FP32 masters — at lr 1e-5 most bf16 updates rounded away
+    — silently (an audit). One hook on the first trainable half weight warns at the first
+    gradient and removes itself; inference never fires it."""
+    param = next(
+        (p for m in models for p in m.parameters() if p.requires_grad and p.dtype in HALF_DTYPES),
+        None,
+    )
+    if param is None:
+        return
+    handles: list[Any] = []
+
+    def warn(_: torch.Tensor) -> None:
+        for handle in handles:
+            handle.remove()
+        warnings.warn(
+            f"distamp.wrap(model, opt_level={props.opt_level!r}) was given no optimizer, and "
+            f"{names.get(id(param), 'a parameter')!r} (cast to {props.half_dtype}) now receives "
+            "gradients: expected the optimizer passed to wrap (`model, optimizer = "
+            "distamp.wrap(model, optimizer, ...)`), which keeps the FP32 masters; an optimizer "
+            "built afterwards steps the half weights directly, with no FP32 masters (small "
+            "updates round away). Hugging Face's Trainer: pass optimizers=(optimizer, "
+            "scheduler) wrapped with the model",
+            stacklevel=2,
+        )
+
+    handles.append(param.register_post_accumulate_grad_hook(warn))
 
 
 def _enabled_flag(value: object) -> bool:

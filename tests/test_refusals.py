@@ -1,6 +1,7 @@
 """Misuse gets a clear error naming the problem, and loses nothing (model and optimizer unchanged)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -482,3 +483,35 @@ def test_a_model_wrapped_on_a_destroyed_process_group_says_so(tmp_path):
                 message
             )
         assert messages[1].startswith("save_checkpoint:")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3-masters"])
+def test_a_model_wrapped_without_its_optimizer_warns_at_its_first_gradient(level):
+    """O2 without an optimizer is apex's inference form; trained with an optimizer built
+    afterwards (Hugging Face's Trainer does so when optimizers= is not passed) it stepped the
+    half weights with no FP32 masters, silently (an audit). Inference stays quiet."""
+    torch.manual_seed(0)
+    kwargs = {"opt_level": "O2"} if level == "O2" else {"opt_level": "O3", "master_weights": True}
+    model = distamp.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), verbosity=0, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with pytest.warns(UserWarning, match="was given no optimizer, and '0.weight'") as caught:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert len([w for w in caught if "no optimizer" in str(w.message)]) == 1  # once
+    assert "optimizers=(optimizer, scheduler)" in str(caught[0].message)
+
+
+def test_a_model_wrapped_with_its_optimizer_does_not_warn_of_missing_masters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with distamp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()

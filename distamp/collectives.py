@@ -142,7 +142,7 @@ def broadcast_from_rank0_(tensors: Sequence[torch.Tensor], group: dist.ProcessGr
         limit = max(1, BROADCAST_BUCKET_BYTES // torch.empty((), dtype=dtype).element_size())
         size = limit
         for tensor in same:
-            if size + tensor.numel() > limit:
+            if not buckets or size + tensor.numel() > limit:
                 buckets.append([])
                 size = 0
             buckets[-1].append(tensor)

@@ -833,3 +833,51 @@ def test_a_zero_dim_parameter_resumes_and_reshards(tmp_path):
     run_ranks(_logit_scale_run, 1, str(tmp_path / "b"), None, True)
     # an optimizer that stepped before wrap, its state sliced into the shards
     run_ranks(_logit_scale_run, 2, str(tmp_path / "c"), True, False, 2, True)
+
+
+class EmptyPrompt(nn.Module):
+    """A zero-element parameter first (nn.Embedding(0, d): no prompt tokens this run)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.prompt = nn.Parameter(torch.zeros(0, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.prompt, x])).float()
+
+
+def _empty_parameter(rank, world, kwargs, directory, load_only):
+    model = EmptyPrompt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, verbosity=0, **kwargs)
+    if load_only:
+        distamp.load_checkpoint(directory, model, opt)
+        return {k: v.float() for k, v in model.state_dict().items()}
+    ddp = DDP(model) if world > 1 else model
+    for step in range(2):
+        x, y = batch(step, rank, world)
+        with distamp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, ddp, opt)
+    return {k: v.float() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"opt_level": "O2"}, {"opt_level": "O0", "shard_master_weights": True}, {"opt_level": "O1"}],
+    ids=["O2", "O0-shard", "O1"],
+)
+def test_a_zero_element_parameter_trains_saves_and_reshards(tmp_path, kwargs):
+    """wrap's broadcast read a bucket that was never made (IndexError) when the first parameter
+    had no elements, and sharded masters took its data_ptr() of 0 for a replaced storage at the
+    first step (an audit)."""
+    directory = str(tmp_path / "ckpt")
+    saved = run_ranks(_empty_parameter, 2, kwargs, directory, False, timeout=120)
+    (loaded,) = run_ranks(_empty_parameter, 1, kwargs, directory, True, timeout=120)
+    assert saved[0]["prompt"].shape == (0, 6)
+    for name, value in saved[0].items():
+        assert torch.equal(loaded[name], value), name

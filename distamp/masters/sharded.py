@@ -326,6 +326,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 continue
             base, size = flat.data_ptr(), flat.element_size()
             for r, p in zip(layout.ranges, layout.params, strict=True):
+                if p.numel() == 0:  # data_ptr() of an empty tensor is 0
+                    continue
                 same = p.data_ptr() == base + r.start * size and p.dtype == flat.dtype
                 if not (same and p.is_contiguous()):
                     yield flat, r, p

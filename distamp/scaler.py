@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -202,11 +203,30 @@ class LossScaler:
                 )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch."""
+        """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch.
+
+        The settings are this run's: a resume with a lower ``max_loss_scale`` (or a higher
+        ``min_loss_scale``, a smaller ``hysteresis``, another static scale) kept the saved scale
+        outside them — above the cap for good, or below the floor, where the first overflow
+        raised "skipped at the minimum loss scale" naming a scale never used (an audit). The
+        saved state is brought inside this run's settings, with a warning naming both."""
         self.check_state(state)
-        self.scale = float(state["scale"])
+        saved = float(state["scale"])
+        if self.dynamic:
+            low = self.min_loss_scale if self.min_loss_scale is not None else 0.0
+            scale = min(max(saved, low), self.max_loss_scale)
+            bound = "max_loss_scale" if saved > self.max_loss_scale else "min_loss_scale"
+        else:
+            scale, bound = float(self.settings["loss_scale"]), "static loss_scale"
+        if scale != saved:
+            warnings.warn(
+                f"loss scaler: the checkpoint's loss scale {saved:g} is outside this run's "
+                f"settings ({bound} {scale:g}): resuming at {scale:g}",
+                stacklevel=2,
+            )
+        self.scale = scale
         self.clean_steps = int(state["clean_steps"])
-        self.hysteresis_left = int(state["hysteresis_left"])
+        self.hysteresis_left = min(int(state["hysteresis_left"]), self.hysteresis)
         self.consecutive_skips = int(state["consecutive_skips"])
 
 

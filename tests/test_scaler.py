@@ -1,6 +1,7 @@
 """LossScaler: init, growth, backoff, hysteresis, floor and cap; its state is plain data."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -177,3 +178,43 @@ def test_wrap_takes_no_cap_as_deepspeed_and_torch_have_none():
         verbosity=0,
     )
     assert distamp.stats(opt2).loss_scales == (2.0**16,)
+
+
+@pytest.mark.parametrize(
+    "settings,expected,warned",
+    [
+        ({"max_loss_scale": 2.0**10}, 2.0**10, "max_loss_scale 1024"),
+        ({"min_loss_scale": 2.0**20}, 2.0**20, "min_loss_scale 1.04858e+06"),
+        ({}, 2.0**16, None),
+    ],
+)
+def test_a_resumed_scale_is_brought_inside_this_runs_bounds(settings, expected, warned):
+    """A resume with a lower max_loss_scale kept the saved 65536 above the cap for good; one
+    with a higher min_loss_scale resumed below the floor (an audit)."""
+    saved = LossScaler(hysteresis=5)
+    saved.update(True)  # hysteresis_left 4
+    state = saved.state_dict()
+    assert state["scale"] == 2.0**16 and state["hysteresis_left"] == 4
+    resumed = LossScaler(hysteresis=2, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state)
+    assert resumed.scale == expected
+    assert resumed.hysteresis_left == 2  # within this run's hysteresis
+    messages = [str(w.message) for w in caught]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warned in messages[0], messages
+        assert "the checkpoint's loss scale 65536" in messages[0]
+    for _ in range(resumed.growth_interval):
+        resumed.update(False)
+    assert resumed.scale <= resumed.max_loss_scale
+
+
+def test_a_resumed_static_scale_is_this_runs():
+    saved = LossScaler(128.0)
+    resumed = LossScaler(1024.0)
+    with pytest.warns(UserWarning, match="static loss_scale 1024"):
+        resumed.load_state_dict(saved.state_dict())
+    assert resumed.scale == 1024.0

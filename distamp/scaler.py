@@ -538,6 +538,7 @@ class ScalerGroup:
         assert st.grad_scale is not None
         self.refuse_wrapped_before_init()
         st.masters.check_views(self.param_names)  # before anything changes
+        edited = self._edited_reduced_grads(st)  # before unscaling touches anything
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
         undecided = [b for b in st.backwards if b.overflow is None]
         st.decided_here = bool(undecided) or not st.backwards
@@ -577,6 +578,7 @@ class ScalerGroup:
                 slots, loss_kinds, n_params, named, self.rank, self.world
             )
             parts.append(evidence_here.to(device))
+            parts.append(torch.tensor([float(bool(edited))], dtype=torch.float64, device=device))
             if self.process_group is not None:  # see [Note: settings that part between ranks]
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
@@ -591,12 +593,15 @@ class ScalerGroup:
             values = vector.tolist()
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
+            # (an edit that made a gradient non-finite is seen: the step is skipped, nothing lost)
+            skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
+            if values[FLAG_SLOTS + 2 + EVIDENCE_SLOTS] > 0 and not skipping:
+                self._refuse_edited_reduced_grads(edited, api)
             if self.process_group is not None:
-                at = FLAG_SLOTS + 2 + EVIDENCE_SLOTS
+                at = FLAG_SLOTS + 3 + EVIDENCE_SLOTS
                 self._refuse_parted_settings(st, values[at], values[at + 1])
             if replicas is not None:
                 # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
-                skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
                 self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             st.decision_report = read_evidence(
@@ -615,6 +620,45 @@ class ScalerGroup:
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
         st.state = OptState.UNSCALED
+
+    def _edited_reduced_grads(self, st: AmpOptimizerState) -> list[str]:
+        """Names of the parameters the reduce-scatter hook reduced whose model ``.grad`` was
+        modified in place or replaced after their block's backward, before ``unscale_``.
+
+        [Note: edits lost under the reduce-scatter hook] There the model's ``.grad`` keeps this
+        rank's own gradient and the reduced sum lives in the FP32 shard gradient the step uses:
+        a gradient zeroed to freeze a layer, or an FP32 script's own
+        ``clip_grad_norm_(model.parameters())`` before ``step()``, changed nothing the step
+        read, silently (an audit: a "frozen" layer moved, the clipping was ignored). After
+        ``distamp.unscale_`` the model's ``.grad`` are the reduced gradients and edits are
+        taken (see ``take_modified_model_grads``); before it, every rank refuses."""
+        reduced = st.masters.reduced
+        if not reduced or st.warned_touched_scaled or not st.scaled_grads:
+            return []  # (after the touched warning the recorded versions are not refreshed)
+        return [
+            self.param_names.get(id(p), "?")
+            for p, version in st.scaled_grads
+            # (a .grad set to None is honoured: the parameter is not stepped)
+            if id(p) in reduced and p.grad is not None and grad_version(p) != version
+        ]
+
+    def _refuse_edited_reduced_grads(self, edited: list[str], api: str) -> None:
+        """See [Note: edits lost under the reduce-scatter hook]: every rank raises."""
+        where = (
+            f"on this rank (rank {self.rank}): {edited[:3]}{' and more' if len(edited) > 3 else ''}"
+            if edited
+            else "on another rank"
+        )
+        raise RuntimeError(
+            f"{api}: expected the model's gradients untouched between backward and "
+            f"distamp.unscale_ under distamp.hooks.register(..., reduce_scatter=True), found "
+            f"some modified {where}. With the reduce-scatter hook a parameter's .grad holds "
+            "this rank's own gradient and the step reads the reduced sum from the FP32 shards, "
+            "so the edit (zeroing a frozen layer's gradient, clipping model.parameters()) would "
+            "be lost. Call distamp.unscale_(optimizer) first (the .grad are then the reduced "
+            "gradients, and edits to them are taken), or use distamp.clip_grad_norm_(optimizer, "
+            "max_norm); to freeze a layer, set requires_grad=False or its .grad to None"
+        )
 
     def _refuse_different_block_counts(
         self, st: AmpOptimizerState, mine: float, seen: list[float]

@@ -697,3 +697,47 @@ def test_a_step_after_backwards_ddp_never_synced_is_refused_with_the_hook_too(le
     for message in run_ranks(_never_synced, 2, level):
         assert "expected the model's gradients identical on every rank" in message, message
         assert "no_sync" in message
+
+
+def _edit_before_step(rank: int, world: int, level: str, when: str, hook: str) -> object:
+    """Zero the first block's gradients to keep it frozen (a script's habit), before or after
+    distamp.unscale_; returns how far that block moved, or the error."""
+    import torch.nn.functional as F
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {"shard_master_weights": True} if level == "O0" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **extra)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=hook == "reduce-scatter")
+    _steps(ddp, opt, rank, range(1))  # (DDP's first backward all-reduces: buckets not rebuilt)
+    frozen = list(model.blocks[0].parameters())
+    before = [p.detach().float().clone() for p in frozen]
+    x, y = _batch(rank, 1)
+    with distamp.scale_loss(F.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten()), opt) as s:
+        s.backward()
+    if when == "after unscale_":
+        distamp.unscale_(opt)
+    for p in frozen:
+        p.grad.zero_()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return max((p.float() - b).abs().max().item() for p, b in zip(frozen, before, strict=True))
+
+
+@pytest.mark.parametrize("level", ["O2", "O0"])
+def test_gradient_edits_before_unscale_are_refused_under_the_reduce_scatter_hook(level):
+    """Under the reduce-scatter hook the model's .grad hold each rank's own gradient and the
+    step reads the reduced FP32 shards: a gradient zeroed to freeze a layer before step() was
+    lost and the layer moved (0.021), silently (an audit). Before unscale_ every rank refuses;
+    after it the edit is taken, as with the all-reduce hook."""
+    for message in run_ranks(_edit_before_step, 2, level, "before step", "reduce-scatter"):
+        assert isinstance(message, str), message
+        assert "expected the model's gradients untouched between backward and" in message
+        assert "'blocks.0.1.weight'" in message or "on another rank" in message, message
+    for moved in run_ranks(_edit_before_step, 2, level, "after unscale_", "reduce-scatter"):
+        assert moved == 0.0
+    for moved in run_ranks(_edit_before_step, 2, level, "before step", "all-reduce"):
+        assert moved == 0.0  # (with a warning: the edit was made at the loss scale)

@@ -9,6 +9,7 @@ replicated masters (``replicated.py``), the sharded ones (``sharded.py``) and FS
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 import torch
@@ -24,6 +25,9 @@ class MasterWeights(Protocol):
     fsdp: bool
     model_params: list[nn.Parameter]
     restored: bool
+
+    @property
+    def reduced(self) -> AbstractSet[int]: ...
 
     def after_cast(self) -> None: ...
     def model_grads(self) -> list[torch.Tensor | None]: ...
@@ -67,6 +71,8 @@ class ModelGrads:
     restored = False
     """The optimizer restored the masters (``load_state_dict``, ``load_checkpoint``) since the
     last step: see [Note: loading weights into the masters]."""
+    reduced: AbstractSet[int] = frozenset()
+    """ids of the parameters a reduce-scatter hook summed into shards this step (sharded.py)."""
 
     def release_master_grads(self) -> None:
         raise NotImplementedError

@@ -175,6 +175,8 @@ def wrap(
         )
         cast_ids = _master_ids(plan, props, opt_list)
         check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
+        if plan.half_dtype is not None or cast_ids:
+            _refuse_script_modules(model_list, props)
     check_same_on_all_ranks("distamp.wrap", facts, group)
     broadcast_from_rank0_(_states_of(model_list), group)
     _warn_about_plan(model_list, plan, props)
@@ -221,6 +223,23 @@ def wrap(
     if optimizers is None and props.master_weights:
         _warn_at_first_gradient_without_masters(model_list, props, names)
     return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+
+
+def _refuse_script_modules(models: list[nn.Module], props: Properties) -> None:
+    """A TorchScript submodule takes no state-dict or forward hooks, which half weights and
+    masters need: wrap failed with torch's bare "register_state_dict_post_hook is not
+    supported on ScriptModules", naming no module (an audit). Named here, before any change."""
+    for model in models:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                where = "sharded FP32 weights" if props.shard_master_weights else "half weights"
+                raise ValueError(
+                    f"distamp.wrap: expected plain nn.Modules at opt_level={props.opt_level!r} "
+                    f"with {where}, found a TorchScript module at {name or '(the model)'!r} "
+                    f"({type(module).__name__}): it takes no state-dict or forward hooks, which "
+                    "distamp needs there. Script it after training (or keep it outside the "
+                    "wrapped model), or train O0/O1 with shard_master_weights=False"
+                )
 
 
 def _warn_at_first_gradient_without_masters(

@@ -515,3 +515,35 @@ def test_a_model_wrapped_with_its_optimizer_does_not_warn_of_missing_masters():
         with distamp.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
             scaled.backward()
         opt.step()
+
+
+class _WithScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = torch.jit.script(nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize(
+    "kwargs,where",
+    [
+        ({"opt_level": "O2"}, "half weights"),
+        ({"opt_level": "O0", "shard_master_weights": True}, "sharded FP32 weights"),
+    ],
+)
+def test_a_torchscript_submodule_is_refused_by_name_where_hooks_are_needed(kwargs, where):
+    """torch's bare "register_state_dict_post_hook is not supported on ScriptModules" named no
+    module (an audit); O0/O1 with whole FP32 weights need no hooks and keep working."""
+    model = _WithScripted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=f"with {where}, found a TorchScript module at 'b'"):
+        distamp.wrap(model, opt, verbosity=0, **kwargs)
+    assert model.a.weight.dtype == torch.float32  # nothing changed
+    for level in ("O0", "O1"):
+        model = _WithScripted()
+        distamp.wrap(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0
+        )

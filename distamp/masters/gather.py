@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     from .layout import GroupLayout
 
 
-
 SUBTREE_READERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 """torch modules whose forward reads their children's weights without calling the children:
 under the overlapped gather they wait for their whole subtree's blocks."""
+
 
 class WeightGather:
     """The gather half of the sharded masters (mixed into ``ShardedMasterParams``)."""

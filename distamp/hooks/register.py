@@ -45,8 +45,10 @@ def register(
 
     ``overlap_gather=True`` (with ``reduce_scatter=True``) lets the step return before the updated
     weights are all-gathered: the next forward waits for each module's weights as it reaches it
-    (see [Note: the gather overlaps the next forward]). Reading the weights outside forward,
-    ``state_dict()`` and distamp's checkpoints needs ``state.finish_gather()`` first.
+    (see [Note: the gather overlaps the next forward]). ``state_dict()``/``load_state_dict()``
+    and distamp's checkpoints wait by themselves; other reads of the weights outside forward
+    (a weight norm logged after ``step()``, an EMA over ``model.parameters()``) need
+    ``state.finish_gather()`` first.
 
     ``gather_dtype=torch.bfloat16`` (FP32 weights sharded: O0/O1 wrapped with
     ``shard_master_weights=True``) all-gathers each step's weight updates rounded to bf16 instead

@@ -13,7 +13,7 @@ element sends its update, new - old (computed in FP32), rounded once to bf16, an
 every rank, the owner included, adds that same rounded update to its FP32 weight; the owner then
 takes the result as its FP32 copy, so copy and weight never part. A step moves the bytes of one
 16-bit all-reduce, as under O2. What it costs: each step's update is rounded to bf16 (a relative
-error of at most 2**-9 of the update, the rounding a bf16 gradient wire already puts on the
+error of at most 2**-8 of the update, the rounding a bf16 gradient wire already puts on the
 gradient, and unbiased), never the weight itself; the optimizer state is untouched. bf16, not
 fp16: bf16 keeps 8 mantissa bits down to 1e-38, where fp16 loses them below 6e-5 (small updates).
 Loaded values (checkpoints, ``load_state_dict``) are always gathered exactly.

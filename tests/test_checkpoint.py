@@ -881,3 +881,35 @@ def test_a_zero_element_parameter_trains_saves_and_reshards(tmp_path, kwargs):
     assert saved[0]["prompt"].shape == (0, 6)
     for name, value in saved[0].items():
         assert torch.equal(loaded[name], value), name
+
+
+def _per_rank_extra_and_paths(rank, world, root, case):
+    model = EmptyPrompt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", verbosity=0)
+    if case == "paths":  # a path built from a per-rank value (a timestamp)
+        try:
+            distamp.save_checkpoint(os.path.join(root, f"run-{rank}"), model, opt)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+    import warnings
+
+    directory = os.path.join(root, "ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distamp.save_checkpoint(directory, model, opt, extra={"epoch": 3, "loader": 7 + rank})
+    back = distamp.load_checkpoint(directory, model, opt)
+    return back, [str(w.message) for w in caught if "extra" in str(w.message)]
+
+
+def test_a_per_rank_extra_warns_and_ranks_saving_apart_are_named(tmp_path):
+    """A per-rank extra came back as rank 0's on every rank, silently; ranks saving to different
+    paths failed with a bare FileNotFoundError (an audit)."""
+    for back, warned in run_ranks(_per_rank_extra_and_paths, 2, str(tmp_path), "extra"):
+        assert back == {"epoch": 3, "loader": 7}  # rank 0's, as documented
+        assert len(warned) == 1 and "found ['loader'] different" in warned[0], warned
+    messages = run_ranks(_per_rank_extra_and_paths, 2, str(tmp_path), "paths")
+    for message in messages:
+        assert message is not None and "expected every rank to save to the folder rank 0" in message
+        assert "run-1.incomplete from rank 1" in message, message

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import random
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +151,11 @@ def save_checkpoint(
     directory = Path(os.path.realpath(given)) if given.is_symlink() else given
     pg = target.pg
     plain_extra = agree("save_checkpoint: extra", lambda: check_plain(extra or {}, "extra"), pg)
+    if target.distributed():
+        _warn_if_extra_differs(plain_extra, target, pg)
     agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
     tmp = directory.with_name(directory.name + files.INCOMPLETE)
+    agree("save_checkpoint: the folder rank 0 made", lambda: _see_tmp(tmp, target.rank), pg)
 
     local_info = agree("save_checkpoint: reading optimizer state", lambda: _flat_info(target), pg)
     infos: list[Any] = [local_info]
@@ -206,6 +211,57 @@ def _dcp_failures(exc: BaseException) -> str:
         cause = failure[0] if isinstance(failure, tuple) and failure else failure  # (exc, tb)
         parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
     return "; ".join(parts)
+
+
+def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> None:
+    """Only rank 0's ``extra`` is saved: a per-rank value (a data loader's position) came back as
+    rank 0's on every rank, silently (an audit). Every rank warns, naming the keys."""
+    gathered: list[Any] = [None] * target.world
+    dist.all_gather_object(gathered, extra, group=pg)
+    keys = sorted({k for e in gathered for k in e}, key=str)
+    differ = [k for k in keys if any(not _same(e.get(k), gathered[0].get(k)) for e in gathered)]
+    if differ:
+        warnings.warn(
+            f"save_checkpoint: extra is saved once, from rank 0; expected it the same on every "
+            f"rank, found {differ[:4]}{' and more' if len(differ) > 4 else ''} different "
+            f"(this is rank {target.rank}): every rank gets rank 0's back from load_checkpoint. "
+            "Keep per-rank state under a key per rank (extra={'loader': {rank: state, ...}} "
+            "gathered with all_gather_object), or in a file of its own",
+            stacklevel=3,
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of plain data (see ``check_plain``), tensors compared by value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _see_tmp(tmp: Path, rank: int) -> None:
+    """Every rank must reach the folder rank 0 made: ranks saving to different paths (one built
+    from a timestamp) or to disks they do not share failed with a bare FileNotFoundError on
+    the first file (an audit). Waits briefly: a shared filesystem may show it late."""
+    for _ in range(50):
+        if tmp.is_dir():
+            return
+        time.sleep(0.1)
+    raise CheckpointError(
+        f"save_checkpoint: expected every rank to save to the folder rank 0 made, found no "
+        f"{tmp} from rank {rank} ({os.path.realpath(tmp)}): the ranks must pass the same path, "
+        "on a filesystem they share (a path built from a per-rank value — a timestamp, the "
+        "hostname — differs between ranks)"
+    )
 
 
 def _prepare(directory: Path, rank: int) -> None:

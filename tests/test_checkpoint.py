@@ -913,3 +913,23 @@ def test_a_per_rank_extra_warns_and_ranks_saving_apart_are_named(tmp_path):
     for message in messages:
         assert message is not None and "expected every rank to save to the folder rank 0" in message
         assert "run-1.incomplete from rank 1" in message, message
+
+
+@pytest.mark.parametrize("saved_enabled", [False, True])
+def test_a_checkpoint_saved_with_the_other_enabled_is_refused_saying_so(tmp_path, saved_enabled):
+    """apex's `enabled=args.amp` toggled between runs was told about FSDP layouts or loss
+    scaler counts (an audit)."""
+
+    def make(enabled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return distamp.wrap(model, opt, opt_level="O2", enabled=enabled, verbosity=0)
+
+    distamp.save_checkpoint(tmp_path / "ckpt", *make(saved_enabled))
+    info = distamp.checkpoint.inspect(tmp_path / "ckpt")
+    assert info["opt_level"] == ("O2" if saved_enabled else "disabled")
+    with pytest.raises(
+        CheckpointError, match=f"saved with distamp.wrap\\(..., enabled={saved_enabled}\\)"
+    ):
+        distamp.load_checkpoint(tmp_path / "ckpt", *make(not saved_enabled))

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step         {info['step']}")
             print(f"world size   {info['world_size']}")
             print(
-                f"opt_level    {info['opt_level']}  (half dtype {info['properties']['half_dtype']})"
+                f"opt_level    {info['opt_level']}  (half dtype {info['half_dtype']})"
+                if info["opt_level"] != "disabled"
+                else "opt_level    disabled (wrap(..., enabled=False): plain FP32)"
             )
             print(f"sharded      {info['sharding']}")
             print(f"parameters   {info['parameters']:,}")

@@ -530,6 +530,16 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
 
 def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
     saved = manifest["properties"]
+    was, now = saved.get("enabled", True), target.props.get("enabled", True)
+    if was != now:
+        # apex's `enabled=args.amp` toggled between runs: the other differences (a preset's
+        # cast_model_type, FSDP-like layouts, loss scalers) were named instead (an audit).
+        raise CheckpointError(
+            f"the checkpoint was saved with distamp.wrap(..., enabled={was}) "
+            f"({'mixed precision' if was else 'plain FP32 training, distamp off'}), this run has "
+            f"enabled={now}: expected the same; resume with enabled={was}, or load its weights "
+            "alone (distamp.checkpoint.consolidate) into a freshly wrapped model"
+        )
     for key in COMPARED_PROPERTIES:
         if saved.get(key) != target.props.get(key):
             raise CheckpointError(

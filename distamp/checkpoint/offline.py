@@ -170,8 +170,11 @@ def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
         "directory": str(directory),
         "step": manifest["step"],
         "world_size": manifest["world_size"],
-        "opt_level": props.get("opt_level"),
-        "half_dtype": None if props.get("opt_level") == "O0" else props.get("half_dtype"),
+        # a run wrapped with enabled=False trained plain FP32 (an audit: "O2 (half dtype bf16)")
+        "opt_level": props.get("opt_level") if props.get("enabled", True) else "disabled",
+        "half_dtype": None
+        if props.get("opt_level") == "O0" or not props.get("enabled", True)
+        else props.get("half_dtype"),
         "sharding": _sharding(props, manifest["world_size"]),
         "properties": props,
         "parameters": params,

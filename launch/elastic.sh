@@ -5,7 +5,8 @@
 #   bash launch/elastic.sh                       # demo: rank 1 is SIGKILLed at step 25 of 40,
 #                                                # torchrun restarts, training resumes at step 21
 #   CKPT=/data/run1 FAIL_AT=0 bash launch/elastic.sh --size small --steps 500 --save-every 50
-#   NPROC=4 bash launch/elastic.sh               # resume a 2-rank checkpoint on 4 ranks: no conversion
+#   NPROC=4 bash launch/elastic.sh --size tiny --steps 60   # go on past the demo's 40 steps
+#                                                # on 4 ranks from its 2-rank checkpoint: no conversion
 #
 # Environment: NPROC (ranks, default 2), CKPT (checkpoint folder, default runs/elastic),
 # MAX_RESTARTS (default 2), FAIL_AT (step of the injected failure on the first attempt, default

@@ -547,3 +547,30 @@ def test_a_torchscript_submodule_is_refused_by_name_where_hooks_are_needed(kwarg
         distamp.wrap(
             model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0
         )
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_layers_unfrozen_after_wrap_step_without_a_false_second_step_refusal(level, set_to_none):
+    """Progressive unfreezing, backward outside scale_loss (Lightning's automatic optimization,
+    the Trainer): only the parameters trainable at wrap were watched for a backward, so a
+    backward reaching only later-unfrozen ones was refused as "no backward since" (an audit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    model.requires_grad_(False)
+    model[2].requires_grad_(True)  # phase 1: the head only
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    moved = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the step takes gradients made outside scale_loss)
+        for step in range(5):
+            if step == 2:  # phase 2: the rest, the head frozen
+                model.requires_grad_(True)
+                model[2].requires_grad_(False)
+            before = model[0].weight.detach().float().clone()
+            model(torch.randn(4, 6)).float().square().mean().backward()
+            opt.step()
+            moved.append(bool((model[0].weight.float() != before).any()))
+            opt.zero_grad(set_to_none=set_to_none)
+    assert moved == [False, False, True, True, True]

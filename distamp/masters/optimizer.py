@@ -86,6 +86,8 @@ class AmpOptimizerState:
         """A backward accumulated into a model gradient since the last step() (set by
         :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
         self.watches_backward = False
+        self.watched: set[int] = set()
+        """ids of the parameters :func:`watch_backward` hooked."""
         self.had_grads = False
         """Some model gradient existed when the last scale_loss block ended (see
         :func:`drop_cleared_gradients`)."""
@@ -214,6 +216,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             st.masters.restored = False
             st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
             st.backward_since_step = False
+            if st.watches_backward:  # parameters unfrozen since wrap (or since the last step)
+                watch_backward(st, st.masters.model_params)
         return loss
 
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
@@ -647,8 +651,9 @@ def watch_backward(st: AmpOptimizerState, params: list[Any]) -> None:
     """See [Note: a second step() on the same gradients]: hook ``params`` (the trainable ones)."""
     hook = BackwardSeen(st)
     for param in params:
-        if param.requires_grad and param.is_leaf:
+        if param.requires_grad and param.is_leaf and id(param) not in st.watched:
             param.register_post_accumulate_grad_hook(hook)
+            st.watched.add(id(param))
     st.watches_backward = True
 
 
@@ -706,7 +711,15 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
             v is not None and w is not None and v[0] == w[0]
             for v, w in zip(now, st.stepped_grads, strict=False)
         ]
-        stale = not st.backward_since_step and any(same)
+        # A parameter frozen at wrap and trainable now has no hook until the step after it was
+        # unfrozen: its gradient's identity and version tell whether a backward reached it (an
+        # audit: a backward reaching only unfrozen layers was refused as "no backward since").
+        unwatched_moved = any(
+            v is not None and v != w
+            for p, v, w in zip(st.masters.model_params, now, st.stepped_grads, strict=False)
+            if id(p) not in st.watched
+        )
+        stale = not st.backward_since_step and not unwatched_moved and any(same)
     else:
         stale = now == st.stepped_grads and any(v is not None for v in now)
     if stale:

@@ -574,3 +574,23 @@ def test_layers_unfrozen_after_wrap_step_without_a_false_second_step_refusal(lev
             moved.append(bool((model[0].weight.float() != before).any()))
             opt.zero_grad(set_to_none=set_to_none)
     assert moved == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_submodule_converted_after_wrap_is_named_by_the_step(half):
+    """The forward's two probes missed a submodule converted alone: O1 trained a bf16 head with
+    no FP32 copy, silently (an audit). The step names it before changing anything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3), nn.Linear(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+    model[3].to(half)  # the last layer: not one of the forward's probes
+    loss = model(torch.randn(4, 6)).float().square().mean()  # (autocast runs it in half)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    before = model[0].weight.detach().clone()
+    with pytest.raises(
+        RuntimeError, match=f"parameter '3.weight' is {half}, but distamp.wrap left"
+    ):
+        opt.step()
+    assert torch.equal(model[0].weight, before)

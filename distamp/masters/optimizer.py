@@ -88,6 +88,8 @@ class AmpOptimizerState:
         self.watches_backward = False
         self.watched: set[int] = set()
         """ids of the parameters :func:`watch_backward` hooked."""
+        self.param_dtypes: dict[int, torch.dtype] = {id(p): p.dtype for p in masters.model_params}
+        """Each parameter's dtype as wrap left it (see :func:`_refuse_converted_params`)."""
         self.had_grads = False
         """Some model gradient existed when the last scale_loss block ended (see
         :func:`drop_cleared_gradients`)."""
@@ -163,6 +165,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         st = self._distamp
+        _refuse_converted_params(st)
         drop_cleared_gradients(st)
         # Stops at the first gradient: O(1) on a normal step.
         no_grads = all(p.grad is None for p in st.masters.model_params)
@@ -688,6 +691,28 @@ def _decide_with_no_blocks(st: AmpOptimizerState) -> None:
         st.group.unscale_and_decide(st)
     finally:
         st.reset()
+
+
+def _refuse_converted_params(st: AmpOptimizerState) -> None:
+    """[Note: dtypes changed after wrap] in casting.py: each forward reads two probes (the first
+    cast and the first FP32 parameter); a submodule converted after wrap (``model.head.to(
+    torch.bfloat16)`` at O1: half weights with no FP32 copy, trained silently; ``.float()`` at
+    O2: torch's bare "mat1 and mat2 must have the same dtype") slipped past them (an audit).
+    The step compares every parameter it steps, before anything changes. Parameters added
+    later (``add_param_group``) are recorded at their first step."""
+    if st.masters.fsdp:
+        return  # (FSDP's sharded parameters are its own; their dtype is FSDP's business)
+    known = st.param_dtypes
+    for param in st.masters.model_params:
+        dtype = known.setdefault(id(param), param.dtype)
+        if param.dtype != dtype:
+            name = st.group.param_names.get(id(param), "?")
+            raise RuntimeError(
+                f"optimizer.step(): parameter {name!r} is {param.dtype}, but distamp.wrap left "
+                f"it {dtype} (opt_level {st.group.props.opt_level}): expected no dtype conversion "
+                "of a wrapped model or of its submodules (.float()/.half()/.to(dtype), "
+                "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model"
+            )
 
 
 def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:

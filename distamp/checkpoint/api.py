@@ -542,8 +542,10 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         )
     for key in COMPARED_PROPERTIES:
         if saved.get(key) != target.props.get(key):
+            # (half_dtype= sets cast_model_type at O2/O3: name what the user passed too)
+            also = " (wrap's half_dtype)" if key == "cast_model_type" else ""
             raise CheckpointError(
-                f"the checkpoint was saved with {key}={saved.get(key)!r}, this run has "
+                f"the checkpoint was saved with {key}={saved.get(key)!r}{also}, this run has "
                 f"{key}={target.props.get(key)!r}; wrap with the same opt_level and properties"
             )
     if len(manifest["models"]) != len(target.models):

@@ -44,6 +44,7 @@ from .state import (
     optimizer_views,
     param_names,
     partly_present,
+    plain_equal,
     present_keys,
     to_dtensor,
     unwrap_model,
@@ -219,7 +220,9 @@ def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> N
     gathered: list[Any] = [None] * target.world
     dist.all_gather_object(gathered, extra, group=pg)
     keys = sorted({k for e in gathered for k in e}, key=str)
-    differ = [k for k in keys if any(not _same(e.get(k), gathered[0].get(k)) for e in gathered)]
+    differ = [
+        k for k in keys if any(not plain_equal(e.get(k), gathered[0].get(k)) for e in gathered)
+    ]
     if differ:
         warnings.warn(
             f"save_checkpoint: extra is saved once, from rank 0; expected it the same on every "
@@ -229,23 +232,6 @@ def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> N
             "gathered with all_gather_object), or in a file of its own",
             stacklevel=3,
         )
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality of plain data (see ``check_plain``), tensors compared by value."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a.cpu(), b.cpu()))
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return type(a) is type(b) and a == b
 
 
 def _see_tmp(tmp: Path, rank: int) -> None:

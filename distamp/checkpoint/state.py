@@ -486,6 +486,30 @@ def hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
+def plain_equal(a: Any, b: Any) -> bool:
+    """Equality of plain data (see ``check_plain``), tensors compared by value, NaN equal to
+    NaN."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and (
+                bool(torch.allclose(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True))
+                if a.is_floating_point()
+                else bool(torch.equal(a.cpu(), b.cpu()))
+            )
+        )
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True  # (a best loss still NaN on every rank is the same value)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(plain_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(plain_equal, a, b))
+    return type(a) is type(b) and a == b
+
+
 def check_plain(value: Any, path: str) -> Any:
     """``value`` if it is plain data (what ``torch.load(weights_only=True)`` loads), else raise
     TypeError naming ``path``. Tensors are detached copies on the CPU."""

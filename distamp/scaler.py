@@ -319,6 +319,8 @@ class ScalerGroup:
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""
+        self.hooked_ignored: set[int] = set()
+        """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
 
     def ddp_ignored(self) -> frozenset[int]:
@@ -327,18 +329,21 @@ class ScalerGroup:
         gradients may differ between ranks, as with plain DDP (the script reduces them itself,
         or not). The replica check leaves them out: it refused every such script at O2/O3 and
         with sharded masters (an audit). Read from the wrapped models at each decision (the
-        list may be set after wrap), recomputed only when it changes."""
+        list may be set after wrap), recomputed only when it changes; with those
+        ``distamp.hooks.register`` read from the DDP it was given (whose module may hold the
+        wrapped model, under other names)."""
         lists = [
             getattr(model, "_ddp_params_and_buffers_to_ignore", None)
             for model in (ref() for ref in self.models)
         ]
-        key = tuple(id(names) for names in lists if names)
+        key = (*(id(names) for names in lists if names), len(self.hooked_ignored))
         if key != self._ignored[0]:
-            ids = set()
+            ids = set(self.hooked_ignored)
             for ref, names in zip(self.models, lists, strict=True):
                 model = ref()
                 if model is not None and names:
-                    ids |= {id(p) for n, p in model.named_parameters() if n in set(names)}
+                    named = set(names)
+                    ids |= {id(p) for n, p in model.named_parameters() if n in named}
             self._ignored = (key, frozenset(ids))
         return self._ignored[1]
 

@@ -115,6 +115,12 @@ def register(
         ],
         group,
     )
+    # Left out of DDP's reduction on purpose: their gradients may differ between ranks (the
+    # names are the DDP module's, which may hold the wrapped model: see ScalerGroup.ddp_ignored).
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
+    st.group.hooked_ignored |= {
+        id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
+    }
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
     sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1
@@ -184,11 +190,6 @@ def register(
         masters.armed_grad_buffer()
         ddp_model.register_comm_hook(zero, zero_reduce_hook)
         masters.staging_hooks += 1
-        # Left out of DDP's reduction on purpose: their gradients may differ between ranks.
-        ignored = getattr(ddp_model, "parameters_to_ignore", ())
-        masters.ddp_ignored |= {
-            id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
-        }
         if overlap_gather:
             masters.wait_in_forward(ddp_model.module)
             masters.overlap_gather = True

@@ -114,7 +114,6 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         buffer for the two halves]."""
         self.staging_hooks = 0
         """Reduce-scatter hooks registered on these masters (the staging is shared with one)."""
-        self.ddp_ignored: set[int] = set()
         """ids of the parameters the DDP model of a reduce-scatter hook ignores (not reduced)."""
 
     @classmethod
@@ -552,11 +551,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         # backwards that DDP never synced (every micro-batch under no_sync) stepped each shard
         # with its owner's own gradient, the ranks identical, the training wrong, silently (an
         # audit). ``reduced`` and the ignored parameters are alike everywhere.
-        return [
-            p
-            for p in params
-            if id(p) not in self.reduced and id(p) not in self.ddp_ignored and id(p) not in ignored
-        ]
+        return [p for p in params if id(p) not in self.reduced and id(p) not in ignored]
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The tensors a state dict saves as this rank's masters (the shards)."""

@@ -18,7 +18,8 @@ nvidia-smi -L
 "$PY" -m distamp.doctor 2>&1 | tee "$OUT/doctor.txt"
 
 echo "== tests/multigpu"
-timeout 200 "$PY" -m pytest tests/multigpu -n 4 -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/multigpu.txt" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " | head -80
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 200 "$PY" -m pytest tests/multigpu $XDIST -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/multigpu.txt" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E " | head -80
 
 echo "== the example"
 run() { timeout 75 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$GPUS" \

@@ -2,6 +2,7 @@
 
     python benchmarks/compare.py                   # W1: GPT bench (16M), batch 8x128/rank, 2 ranks
     python benchmarks/compare.py --workload w2     # W2: batch 1x128/rank (communication-bound)
+    python benchmarks/compare.py --workload w0     # W0: host-bound (64 tiny parameters)
     python benchmarks/compare.py --quick           # tiny sizes, a smoke run (under 3 minutes)
     python benchmarks/compare.py --plot            # also a PNG bar chart (needs matplotlib)
     python benchmarks/compare.py --workload w2 --nodes 2 --link 1gbit   # an emulated cluster
@@ -633,9 +634,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--workload",
-        choices=["w1", "w2"],
+        choices=["w0", "w1", "w2"],
         default="w1",
-        help="w1: batch 8 per rank (compute-bound); w2: batch 1 (communication) (default: w1)",
+        help="w1: batch 8 per rank (compute-bound); w2: batch 1 (communication); w0: the GPT's 64 "
+        "parameters at width 32, batch 1x16 (host-bound: each row's per-step Python, kernel "
+        "launches and syncs, what a launch-bound GPU run pays) (default: w1)",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="bench", help="(default: bench)")
     parser.add_argument("--seq", type=int, default=128, help="(default: 128)")
@@ -699,6 +702,8 @@ def main() -> None:
         worker(rank, world, None, args.worker, opts, args.result)
         return
     batch = args.batch or (8 if args.workload == "w1" else 1)
+    if args.workload == "w0":  # compute next to nothing: what is left is each row's host work
+        args.size, args.seq = "micro", 16
     if args.quick:
         args.size, args.seq, args.steps, args.warmup, args.rounds = "tiny", 32, 3, 1, 1
         batch, args.lr = 2, 3e-3

@@ -62,6 +62,7 @@ class GPTConfig:
 
 
 SIZES: dict[str, dict[str, int]] = {
+    "micro": dict(n_layer=5, n_embd=32, n_head=4),  # ~70K: bench's 64 parameters, tiny ones
     "tiny": dict(n_layer=4, n_embd=128, n_head=4),  # ~0.8M parameters
     "small": dict(n_layer=4, n_embd=320, n_head=5),  # ~5M
     "bench": dict(n_layer=5, n_embd=512, n_head=8),  # ~16M
@@ -228,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--size",
         choices=sorted(SIZES),
         default="tiny",
-        help="model size: tiny ~0.8M, small ~5M, bench ~16M parameters",
+        help="model size: micro ~70K, tiny ~0.8M, small ~5M, bench ~16M parameters",
     )
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=50, help="optimizer steps in all")

@@ -274,6 +274,19 @@ class Backward:
     """0-d int: 0 the loss was finite, 1 inf, 2 NaN (read only on skipped steps: no host sync)."""
 
 
+def _slots_by_kind(blocks: list[Backward]) -> list[int]:
+    """Each block's slot in the decision vector: one per kind of block (its loss and the set of
+    optimizers it was passed with), in order of first appearance, folded into FLAG_SLOTS only
+    past FLAG_SLOTS kinds (see [Note: a fixed-size decision vector]). Every rank ran the same
+    blocks (their count is checked in the same all-reduce), so every rank maps them alike."""
+    kinds: dict[tuple[int, tuple[int, ...]], int] = {}
+    return [
+        kinds.setdefault((b.loss_id, tuple(sorted(u.index for u in b.users))), len(kinds))
+        % FLAG_SLOTS
+        for b in blocks
+    ]
+
+
 class ScalerGroup:
     """The loss scalers of one :func:`distamp.wrap` call and the per-step skip decision.
 
@@ -549,16 +562,23 @@ class ScalerGroup:
         st.decided_here = bool(undecided) or not st.backwards
         if undecided or not st.backwards:
             flags = [self._block_flag(b, st, own) for b in undecided] if undecided else [own]
-            # [Note: a fixed-size decision vector] One slot per block, folded into FLAG_SLOTS
-            # (blocks i and i + FLAG_SLOTS share a slot: a skip then covers both), then the
-            # number of blocks as +n and -n. The length never depends on this rank's blocks:
-            # ranks that ran a different number of scale_loss blocks since the last step (one
-            # rank discarded a micro-batch) used to send vectors of different lengths, and gloo
-            # hung or aborted; now every rank reads both counts and raises together.
+            # [Note: a fixed-size decision vector] One slot per kind of block (its loss and the
+            # optimizers it was passed with), FLAG_SLOTS of them, then the number of blocks as
+            # +n and -n. Blocks of one kind share a slot at no cost: a loss backs off, and an
+            # optimizer skips, when any block of theirs overflowed. One slot per block, folded
+            # by index, made the ninth block share the first's: an accumulation of 8 micro-
+            # batches of loss 0 plus an overflowing loss 1 backed loss 0 off and skipped
+            # optimizers loss 1 never touched (an audit). Only more than FLAG_SLOTS kinds fold
+            # (a skip then covers kinds i and i + FLAG_SLOTS). The length never depends on this
+            # rank's blocks: ranks that ran a different number of scale_loss blocks since the
+            # last step (one rank discarded a micro-batch) used to send vectors of different
+            # lengths, and gloo hung or aborted; now every rank reads both counts and raises
+            # together.
             device = own.device
             slots = torch.zeros(FLAG_SLOTS, dtype=torch.float64, device=device)
-            for i, flag in enumerate(flags):
-                slots[i % FLAG_SLOTS] = torch.maximum(slots[i % FLAG_SLOTS], flag.to(device)[0])
+            slot_of = _slots_by_kind(undecided) if undecided else [0]
+            for slot, flag in zip(slot_of, flags, strict=True):
+                slots[slot] = torch.maximum(slots[slot], flag.to(device)[0])
             count = float(len(undecided))
             parts = [slots, torch.tensor([count, -count], dtype=torch.float64, device=device)]
             # See [Note: the evidence rides with the decision] in forensics.py.
@@ -617,7 +637,7 @@ class ScalerGroup:
                 self.world,
                 reduced_from=n_local,
             )
-            result = [values[i % FLAG_SLOTS] > 0 for i in range(max(1, len(undecided)))]
+            result = [values[slot] > 0 for slot in slot_of]
             if not st.backwards:
                 st.overflow = result[0]
             for block, overflow in zip(undecided, result, strict=False):

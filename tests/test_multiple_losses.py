@@ -246,3 +246,60 @@ def test_only_the_overflowed_loss_backs_off_with_either_hook_and_an_inf_on_one_r
     the step — loss 1 backed off and optimizer B (whose losses were finite) skipped (an audit)."""
     for rank, result in enumerate(run_ranks(_overflow_in_loss_0_on_rank_1, 2, reduce_scatter)):
         assert result == (True, False, True, (2.0**15, 2.0**16)), (rank, result)
+
+
+def _nine_blocks(rank, world, accumulate):
+    """A backbone optimizer and a head optimizer: the main loss (loss 0, both optimizers) over
+    ``accumulate`` micro-batches (DDP's no_sync but the last), then a regularizer on the
+    backbone alone (loss 1, the backbone's optimizer), which is inf on the last rank at step 1."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    backbone = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, [backbone, head] = distamp.wrap(
+        model, [backbone, head], opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
+    )
+    ddp = DDP(model) if world > 1 else model
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for step in range(3):
+        for k in range(accumulate):
+            sync = k == accumulate - 1 or world == 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                loss = ddp(torch.randn(4, 8, generator=g)).pow(2).mean() / accumulate
+                with distamp.scale_loss(loss, [backbone, head], loss_id=0) as scaled:
+                    scaled.backward()
+        aux = model[0].weight.pow(2).sum() * 1e-4  # each rank's own: not through DDP
+        if step == 1 and rank == world - 1:
+            aux = aux * float("inf")
+        with distamp.scale_loss(aux, backbone, loss_id=1) as scaled:
+            scaled.backward()
+        backbone.step()
+        head.step()
+        backbone.zero_grad()
+        head.zero_grad()
+        out.append(
+            (
+                distamp.stats(backbone).skipped_steps,
+                distamp.stats(head).skipped_steps,
+                tuple(distamp.stats(backbone).loss_scales),
+            )
+        )
+    return out
+
+
+@pytest.mark.xdist_group("multirank")
+@pytest.mark.parametrize("accumulate", [7, 9])
+@pytest.mark.parametrize("world", [1, 2])
+def test_many_blocks_of_one_loss_do_not_share_a_flag_with_another_loss(world, accumulate):
+    """The decision vector's 8 flag slots were filled one per block, folded by index: the ninth
+    block (the overflowing loss 1) shared the first's slot (loss 0), so loss 0 backed off too and
+    the head's optimizer, which loss 1 never touched, skipped (an audit). Blocks of one loss and
+    one set of optimizers now share one slot; only the backbone's optimizer skips, only loss 1's
+    scale halves, on every rank."""
+    skipped = (1, 0, (2.0**16, 2.0**15))  # (backbone's skips, head's skips, scales)
+    expected = [(0, 0, (2.0**16, 2.0**16)), skipped, skipped]
+    for rank, result in enumerate(run_ranks(_nine_blocks, world, accumulate)):
+        assert result == expected, (rank, accumulate, result)

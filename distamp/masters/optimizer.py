@@ -190,7 +190,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             if not st.warned_unscaled_step:
                 warnings.warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
-                    "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies",
+                    "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies. "
+                    "If torch.amp.GradScaler drives this optimizer (scaler.step(optimizer)), "
+                    "use distamp.GradScaler (the same API) instead: torch's decides each rank's "
+                    "skip alone, and a rank that skips while the others step leaves their skip "
+                    "decision's all-reduce unmatched (a hang, or gloo's 'collective mismatch')",
                     stacklevel=2,
                 )
                 st.warned_unscaled_step = True

@@ -131,13 +131,12 @@ class FSDPParams(ModelGrads):
             with torch.no_grad():
                 torch._foreach_mul_(grads, factor)
 
-    def _unreduced_grads(self) -> list[torch.Tensor]:
-        """The gradients FSDP2 holds unsharded and unreduced (accumulation without sync): its
-        FSDPParam objects' ``unsharded_accumulated_grad`` (reduce dtype) or their unsharded
-        parameters' ``.grad``. FSDP's internals: a torch whose layout is neither 2.11's nor 2.13's
-        raises rather than leave them at the old scale."""
+    def _param_groups(self) -> list[Any]:
+        """FSDP2's param groups of every unit of the model. FSDP's internals: a torch whose
+        layout is neither 2.11's nor 2.13's raises rather than leave gradients at an old scale or
+        dtype."""
         model = self.model() if self.model is not None else None
-        out: list[torch.Tensor] = []
+        out: list[Any] = []
         for module in model.modules() if model is not None else ():
             state_of = getattr(module, "_get_fsdp_state", None)
             if state_of is None:
@@ -154,14 +153,38 @@ class FSDPParams(ModelGrads):
                     "under set_requires_gradient_sync(False) cannot be brought to a later loss's "
                     "scale. Sync every micro-batch, or use one loss scale (num_losses=1)."
                 )
-            for param_group in groups:
-                for fsdp_param in getattr(param_group, "fsdp_params", ()):
-                    held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    for grad in (held, getattr(unsharded, "grad", None)):
-                        if isinstance(grad, torch.Tensor):
-                            out.append(_local(grad))
+            out.extend(groups)
         return out
+
+    def _unreduced_grads(self) -> list[torch.Tensor]:
+        """The gradients FSDP2 holds unsharded and unreduced (accumulation without sync): its
+        FSDPParam objects' ``unsharded_accumulated_grad`` (reduce dtype) or their unsharded
+        parameters' ``.grad``."""
+        out: list[torch.Tensor] = []
+        for param_group in self._param_groups():
+            for fsdp_param in getattr(param_group, "fsdp_params", ()):
+                held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                for grad in (held, getattr(unsharded, "grad", None)):
+                    if isinstance(grad, torch.Tensor):
+                        out.append(_local(grad))
+        return out
+
+    def before_backward(self) -> None:
+        """[Note: a unit unfrozen after FSDP's first forward] FSDP2 fixes each unit's original
+        and reduce dtypes once, at its lazy init, from the parameters that required grad then;
+        a unit wholly frozen then (a backbone block, unfrozen later by ``requires_grad_(True)``
+        and perhaps ``add_param_group``) keeps none, and its first backward failed inside torch
+        ("attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype
+        Float") at O2 (an audit; torch's own fully_shard with a MixedPrecisionPolicy fails
+        alike). Before each backward, such a unit that has trainable parameters now has its
+        dtypes set as its lazy init would have set them."""
+        for param_group in self._param_groups():
+            params = getattr(param_group, "fsdp_params", ())
+            if getattr(param_group, "_orig_dtype", False) is None and any(
+                fsdp_param.sharded_param.requires_grad for fsdp_param in params
+            ):
+                param_group._init_mp_dtypes()
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Collective: the norm over every shard of every gradient, each shard counted once (FP32

@@ -435,6 +435,7 @@ class ScalerGroup:
         if pending:
             scale = min(scale, *pending)
         for st in states:
+            st.masters.before_backward()
             if st.grad_scale is not None and st.grad_scale != scale:
                 st.masters.rescale_grads_(scale / st.grad_scale)
                 st.grad_scale = scale

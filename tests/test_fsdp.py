@@ -497,3 +497,53 @@ def test_clipping_fsdp_gradients_still_scaled_is_warned_about(how):
     norm of 44436 clipped: an update 1e-5 of the right one)."""
     for messages in run_ranks(clip_while_scaled, 2, how):
         assert len(messages) == (1 if how == "clip" else 0), (how, messages)
+
+
+def _unfreeze_a_frozen_unit(rank, world, add_group, steps=4, unfreeze_at=2):
+    """blocks[1] (an FSDP unit of its own) frozen at the first forward, unfrozen at
+    ``unfreeze_at``: handed to the optimizer then (``add_group``) or held by it from the start."""
+    model = Net()
+    frozen = list(model.blocks[1].parameters())
+    for p in frozen:
+        p.requires_grad_(False)
+    held = [p for p in model.parameters() if add_group is False or p.requires_grad]
+    opt = torch.optim.SGD(held, lr=0.1)  # linear in the gradients: no sign flip amplified
+    if rank is not None:
+        model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    losses = []
+    for step in range(steps):
+        if step == unfreeze_at:
+            for p in model.blocks[1].parameters():
+                p.requires_grad_(True)
+            if add_group:
+                opt.add_param_group({"params": list(model.blocks[1].parameters())})
+        x, y = batch(step, rank or 0, world if rank is not None else 1)
+        loss = F.mse_loss(model(x).float(), y)
+        if rank is None:
+            loss.backward()
+        else:
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    if rank is None:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.clone() for k, v in full.items()}
+
+
+@pytest.mark.xdist_group("multirank")
+@pytest.mark.parametrize("add_group", [True, False], ids=["add_param_group", "requires_grad"])
+def test_a_unit_frozen_at_the_first_forward_trains_once_unfrozen(add_group):
+    """FSDP2 fixes a unit's dtypes at its first forward from its trainable parameters; a unit
+    wholly frozen then failed its first backward after unfreezing, inside torch, at O2 ("assign
+    a gradient with dtype BFloat16 to a tensor with grad_dtype Float"; an audit). It now trains
+    as the FP32 reference does (SGD, bf16 compute: within 2e-3 of it, updates ~1e-2)."""
+    initial = dict(Net().state_dict())
+    reference = _unfreeze_a_frozen_unit(None, 2, add_group)
+    for got in run_ranks(_unfreeze_a_frozen_unit, 2, add_group):
+        moved = (got["blocks.1.fc.weight"] - initial["blocks.1.fc.weight"]).abs().max()
+        assert moved > 5e-3, "the unfrozen unit did not train"
+        for name, ref in reference.items():
+            assert torch.allclose(got[name], ref, atol=2e-3), name

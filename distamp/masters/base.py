@@ -57,6 +57,7 @@ class MasterWeights(Protocol):
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
+    def before_backward(self) -> None: ...
     def load_value(
         self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
     ) -> None: ...
@@ -76,6 +77,9 @@ class ModelGrads:
 
     def release_master_grads(self) -> None:
         raise NotImplementedError
+
+    def before_backward(self) -> None:
+        """Called as a ``scale_loss`` block begins (FSDP's masters refresh its units' dtypes)."""
 
     def scaled_grad_sample(self) -> torch.Tensor | None:
         """What else than version counters tells that the gradients were written between a

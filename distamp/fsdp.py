@@ -108,7 +108,7 @@ class FSDPParams(ModelGrads):
     def check(self) -> torch.Tensor:
         """A 0/1 flag of non-finite gradients, reduced or still held by FSDP (several losses
         attribute each block's new non-finite values: see ``finish_backward``)."""
-        grads = self._local_grads() + self._unreduced_grads()
+        grads = self._local_grads() + self.unreduced_grads()
         return check_and_unscale_(grads, 1.0, self._device())
 
     def check_each(self) -> torch.Tensor:
@@ -126,7 +126,7 @@ class FSDPParams(ModelGrads):
         ``.grad`` and, under ``set_requires_gradient_sync(False)``, the unsharded gradients FSDP
         accumulates in its own buffers until it reduces them — missed, the reduced sum mixed two
         scales (an audit: weights off by 1e10)."""
-        grads = self._local_grads() + self._unreduced_grads()
+        grads = self._local_grads() + self.unreduced_grads()
         if grads and factor != 1.0:
             with torch.no_grad():
                 torch._foreach_mul_(grads, factor)
@@ -156,7 +156,7 @@ class FSDPParams(ModelGrads):
             out.extend(groups)
         return out
 
-    def _unreduced_grads(self) -> list[torch.Tensor]:
+    def unreduced_grads(self) -> list[torch.Tensor]:
         """The gradients FSDP2 holds unsharded and unreduced (accumulation without sync): its
         FSDPParam objects' ``unsharded_accumulated_grad`` (reduce dtype) or their unsharded
         parameters' ``.grad``."""

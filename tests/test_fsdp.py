@@ -547,3 +547,27 @@ def test_a_unit_frozen_at_the_first_forward_trains_once_unfrozen(add_group):
         assert moved > 5e-3, "the unfrozen unit did not train"
         for name, ref in reference.items():
             assert torch.allclose(got[name], ref, atol=2e-3), name
+
+
+def _sync_left_off(rank, world):
+    model, _, opt = build("fsdp", opt_level="O0")
+    for micro in range(2):
+        model.set_requires_gradient_sync(False)  # forgotten: never back on for the last one
+        x, y = batch(micro, rank, world)
+        with distamp.scale_loss(F.mse_loss(model(x), y) / 2, opt) as scaled:
+            scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err), distamp.stats(opt).steps
+    return None, distamp.stats(opt).steps
+
+
+@pytest.mark.xdist_group("multirank")
+def test_a_step_with_gradient_sync_left_off_is_refused_on_every_rank():
+    """set_requires_gradient_sync(False) left on for the last micro-batch: the step found no
+    reduced gradient, stepped nothing and counted itself, and the held gradients went into the
+    next step's (two windows at once), silently (an audit)."""
+    for message, steps in run_ranks(_sync_left_off, 2):
+        assert message is not None and "set_requires_gradient_sync(True)" in message
+        assert steps == 0

@@ -170,6 +170,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # Stops at the first gradient: O(1) on a normal step.
         no_grads = all(p.grad is None for p in st.masters.model_params)
         if no_grads:
+            _refuse_gradients_fsdp_still_holds(st)
             fsdp = st.group.sharded_by_fsdp_after_wrap()
             if fsdp is not None:
                 raise RuntimeError(
@@ -695,6 +696,23 @@ def _decide_with_no_blocks(st: AmpOptimizerState) -> None:
         st.group.unscale_and_decide(st)
     finally:
         st.reset()
+
+
+def _refuse_gradients_fsdp_still_holds(st: AmpOptimizerState) -> None:
+    """A step with no reduced gradient while FSDP still holds this step's gradients unreduced:
+    ``set_requires_gradient_sync(False)`` left on for the last micro-batch. The step stepped
+    nothing and counted itself, and the held gradients were added into the next step's, which
+    then applied two windows at once — silently, as in torch (an audit)."""
+    held = getattr(st.masters, "unreduced_grads", None)
+    if held is None or not held():
+        return
+    raise RuntimeError(
+        "optimizer.step(): expected the gradients reduced into the sharded parameters' .grad, "
+        "found none there and FSDP still holding this step's gradients unreduced: "
+        "set_requires_gradient_sync(False) was left on for the last micro-batch. Call "
+        "model.set_requires_gradient_sync(True) before the last micro-batch's backward (the "
+        "held gradients stay: a backward with sync on reduces them with its own)"
+    )
 
 
 def _refuse_converted_params(st: AmpOptimizerState) -> None:

@@ -29,6 +29,10 @@ class NonFiniteReport:
     """Every rank's own gradient of ``param`` was finite; the non-finite values appeared where
     distamp's reduce-scatter hook summed them into the shards: the 16-bit wire overflowed
     (``rank`` is then the lowest rank whose shard holds them)."""
+    in_fsdp_shard: bool = False
+    """Under FSDP: the gradient was read in the ranks' shards after FSDP's reduce-scatter, so
+    ``rank`` is the lowest rank whose *shard* held it; the rank whose batch produced it is not
+    known (each rank's own gradient is never seen)."""
 
     def __str__(self) -> str:
         article = "an inf" if self.kind == "inf" else "a NaN"
@@ -36,6 +40,12 @@ class NonFiniteReport:
             return (
                 f"the loss itself (loss_id {self.loss_id}) was {article} on rank {self.rank} — "
                 "not a gradient overflow: a smaller loss scale does not fix it"
+            )
+        if self.in_fsdp_shard:
+            whose = "every rank's shard" if self.on_every_rank else f"rank {self.rank}'s shard"
+            return (
+                f"parameter {self.param!r} had {article} gradient in {whose} after FSDP's "
+                "reduce-scatter (the rank whose batch produced it is not known)"
             )
         if self.after_reduce:
             return (
@@ -110,10 +120,12 @@ def read_evidence(
     world: int,
     *,
     reduced_from: int | None = None,
+    fsdp: bool = False,
 ) -> NonFiniteReport | None:
     """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing).
     ``named_grads()`` entries from ``reduced_from`` on are reduced gradients (see
-    ``ShardedMasterParams.reduced_grads``)."""
+    ``ShardedMasterParams.reduced_grads``); under ``fsdp`` every gradient is a shard FSDP
+    reduced."""
     loss_code, grad_code, highest = (int(v) for v in evidence)
     if loss_code:
         blocks = max(1, len(loss_ids))
@@ -135,6 +147,7 @@ def read_evidence(
             rank=world - 1 - rank_part,
             kind="nan" if kind == 2 else "inf",
             on_every_rank=world > 1 and highest == index,
-            after_reduce=reduced_from is not None and index >= reduced_from,
+            after_reduce=reduced_from is not None and index >= reduced_from and not fsdp,
+            in_fsdp_shard=fsdp,
         )
     return None

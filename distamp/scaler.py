@@ -637,6 +637,7 @@ class ScalerGroup:
                 named,
                 self.world,
                 reduced_from=n_local,
+                fsdp=st.masters.fsdp,
             )
             result = [values[slot] > 0 for slot in slot_of]
             if not st.backwards:
@@ -896,9 +897,15 @@ class ScalerGroup:
                     "in fp16 divides by 0), so every forward after it fails"
                     if broken
                     else "look for a NaN/inf produced by the forward pass or the loss itself, "
-                    "or, under a comm hook with an fp16 wire, gradients past fp16's range (65504) "
-                    "that were finite before the wire — a bf16 wire (distamp.hooks.register(..., "
-                    "dtype=torch.bfloat16)) keeps FP32's range"
+                    + (
+                        "or, with an fp16 half_dtype (FSDP reduce-scatters in it), gradients "
+                        "past fp16's range (65504) in the reduction — half_dtype=torch.bfloat16 "
+                        "keeps FP32's range"
+                        if any(o.masters.fsdp for o in self.optimizers)
+                        else "or, under a comm hook with an fp16 wire, gradients past fp16's "
+                        "range (65504) that were finite before the wire — a bf16 wire "
+                        "(distamp.hooks.register(..., dtype=torch.bfloat16)) keeps FP32's range"
+                    )
                 )
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "

@@ -108,6 +108,7 @@ def train(rank, world, mode, opt_level, half, steps, d=16, fused=False, inf_at=N
         "master_bytes": stats.master_bytes,
         "state_bytes": stats.optimizer_state_bytes,
         "collectives": opt._distamp.group.found_inf_collectives,
+        "report": str(stats.last_nonfinite),
         "param_dtypes": {p.dtype for g in opt.param_groups for p in g["params"]},
         "state_dtypes": {
             v.dtype
@@ -175,6 +176,12 @@ def test_inf_in_one_ranks_local_shard_skips_every_rank(fused):
         assert r["skipped"] == [3]
         assert r["scale"] == 2.0**15
         assert r["collectives"] == 6
+        # Read in the shards after FSDP's reduce-scatter: whose batch it came from is not known
+        # (the report named the shard's owner as the rank that had it; an audit).
+        assert r["report"] == (
+            "parameter 'blocks.1.fc.weight' had an inf gradient in rank 1's shard after FSDP's "
+            "reduce-scatter (the rank whose batch produced it is not known)"
+        )
     assert_same(results[1]["weights"], results[0]["weights"], "ranks after the skip")
 
 

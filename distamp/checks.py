@@ -98,10 +98,11 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
         wrapper = casting.data_parallel_wrapper_name(model)
         if wrapper is not None and ("FSDP" in wrapper or wrapper.startswith("FullySharded")):
             raise ValueError(
-                f"{where}: distamp.wrap must come before FSDP, but found {wrapper}; with FSDP use "
-                "`model, optimizer = distamp.fsdp.fully_shard(model, optimizer, opt_level=...)` "
-                "on the plain FP32 model (it applies FSDP with the opt_level's mixed-precision "
-                "policy and keeps FSDP's FP32 shards as the masters)"
+                f"{where}: expected a model FSDP has not sharded, found {wrapper}. With FSDP, "
+                "distamp.wrap is not used, neither before nor after it: call `model, optimizer = "
+                "distamp.fsdp.fully_shard(model, optimizer, opt_level=...)` on the plain FP32 "
+                "model instead (it applies FSDP with the opt_level's mixed-precision policy and "
+                "keeps FSDP's FP32 shards as the masters)"
             )
         if wrapper is not None:
             raise ValueError(

@@ -578,3 +578,49 @@ def test_a_step_with_gradient_sync_left_off_is_refused_on_every_rank():
     for message, steps in run_ranks(_sync_left_off, 2):
         assert message is not None and "set_requires_gradient_sync(True)" in message
         assert steps == 0
+
+
+def _dcp_idiom(rank, world, directory, steps_before, steps_after):
+    """torch's own checkpoint idiom under distamp.fsdp: get_state_dict + dcp.save, then on a
+    fresh model and optimizer get_state_dict (its placeholder step) + dcp.load + set_state_dict."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, _, opt = build("fsdp")
+    for step in range(steps_before):
+        _step(model, opt, step, rank, world)
+    if directory is None:  # the run straight through
+        for step in range(steps_before, steps_before + steps_after):
+            _step(model, opt, step, rank, world)
+        return fp32_weights("fsdp", model, opt), None
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+    model, _, opt = build("fsdp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        msd, osd = get_state_dict(model, opt)  # an optimizer with no state: torch's placeholder
+        counted = distamp.stats(opt).steps
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    for step in range(steps_before, steps_before + steps_after):
+        _step(model, opt, step, rank, world)
+    return fp32_weights("fsdp", model, opt), (counted, [str(w.message) for w in caught])
+
+
+@pytest.mark.xdist_group("multirank")
+def test_torch_dcp_state_dict_idiom_resumes_under_fsdp(tmp_path):
+    """get_state_dict/set_state_dict keep only torch's entries of optimizer.state_dict(): the
+    resume was refused for the missing 'distamp' entry although FSDP's FP32 shards hold all of
+    the optimizer's state, and get_state_dict's placeholder step on the fresh optimizer was
+    counted and used the one-time "step() without scale_loss" warning (an audit). It resumes bit
+    for bit (the loss scale had not moved), warning that the scale starts afresh."""
+    straight = run_ranks(_dcp_idiom, 2, None, 2, 2)
+    resumed = run_ranks(_dcp_idiom, 2, str(tmp_path / "dcp"), 2, 2)
+    for (weights, _), (got, (counted, messages)) in zip(straight, resumed, strict=True):
+        assert_same(got, weights, "resumed through torch's DCP idiom")
+        assert counted == 0, "get_state_dict's placeholder step was counted"
+        assert not [m for m in messages if "without distamp.scale_loss" in m], messages
+        assert [m for m in messages if "starts again at" in m], messages

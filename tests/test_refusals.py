@@ -594,3 +594,23 @@ def test_a_submodule_converted_after_wrap_is_named_by_the_step(half):
     ):
         opt.step()
     assert torch.equal(model[0].weight, before)
+
+
+def test_a_torch_only_state_dict_loads_where_the_optimizer_steps_the_models_own_weights():
+    """At O1 the optimizer steps the model's FP32 parameters, so torch's entries of a state dict
+    (a plain run's, or what torch.distributed.checkpoint's get/set_state_dict keep) hold all of
+    its state but the loss scale: it loads, warning that the scale starts afresh (it was refused
+    for the missing 'distamp' entry; an audit). At O2 (separate FP32 masters) it still is."""
+    torch.manual_seed(0)
+    plain_model = mlp()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9)
+    plain_model(torch.randn(4, 8)).sum().backward()
+    plain.step()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = distamp.wrap(model, opt, opt_level="O1")
+    with pytest.warns(UserWarning, match="starts again at 65536"):
+        opt.load_state_dict(plain.state_dict())
+    loaded = [opt.state[p]["momentum_buffer"] for p in opt.param_groups[0]["params"]]
+    expected = [plain.state[p]["momentum_buffer"] for p in plain.param_groups[0]["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, expected, strict=True))

@@ -532,7 +532,8 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
             also = " (wrap's half_dtype)" if key == "cast_model_type" else ""
             raise CheckpointError(
                 f"the checkpoint was saved with {key}={saved.get(key)!r}{also}, this run has "
-                f"{key}={target.props.get(key)!r}; wrap with the same opt_level and properties"
+                f"{key}={target.props.get(key)!r}; wrap (under FSDP: distamp.fsdp.fully_shard) "
+                "with the same opt_level and properties"
             )
     if len(manifest["models"]) != len(target.models):
         raise CheckpointError(

@@ -188,7 +188,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                     "optimizer) as scaled_loss:` first"
                 )
             _refuse_a_second_step_on_the_same_gradients(st)
-            if not st.warned_unscaled_step:
+            placeholder = _torch_state_init_step(self)
+            if not st.warned_unscaled_step and not placeholder:
                 warnings.warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
                     "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies. "
@@ -200,6 +201,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
+        else:
+            placeholder = False
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
         touched, scale = _scaled_grads_touched(st), st.grad_scale
         if st.state is not OptState.UNSCALED:
@@ -209,7 +212,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
         assert st.overflow is not None
-        st.steps += 1
+        st.steps += not placeholder
         st.last_step_skipped = st.overflow
         st.in_step = True
         try:
@@ -380,6 +383,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("distamp", None)
         st = self._distamp
+        if extra is None and _steps_the_models_own_params(st):
+            _check_inner_state(self, state_dict)
+            super().load_state_dict(state_dict)
+            _warn_scale_starts_afresh(st)
+            return
         error = None
         try:
             _check_loadable(extra, st)
@@ -407,6 +415,55 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.skipped_steps = int(extra["skipped_steps"])
         st.masters.copy_to_model()
         st.masters.restored = True  # see [Note: loading weights into the masters]
+
+
+def _steps_the_models_own_params(st: AmpOptimizerState) -> bool:
+    """The optimizer steps the model's own FP32 parameters (FSDP's shards, or O0/O1 without
+    sharded masters): torch's entries of a state dict then hold all of its state but the loss
+    scale and distamp's counters."""
+    return st.masters.fsdp or (not st.masters.sharded and not st.masters.master_tensors())
+
+
+def _warn_scale_starts_afresh(st: AmpOptimizerState) -> None:
+    """[Note: a state dict with torch's entries only] torch.distributed.checkpoint's
+    ``get_state_dict``/``set_state_dict`` (FSDP's idiom) keep only torch's entries of
+    ``optimizer.state_dict()``, as does a plain or apex run's: under FSDP and at O0/O1 they were
+    refused for the missing 'distamp' entry, although nothing of the optimizer's state was
+    missing (an audit). They load; the loss scale and step counters start afresh."""
+    dynamic = [s for s in st.group.scalers if s.dynamic]
+    if dynamic:
+        warnings.warn(
+            "optimizer.load_state_dict: the state dict holds torch's entries only (no 'distamp' "
+            "entry: torch.distributed.checkpoint's get_state_dict/set_state_dict keep only "
+            "those, as does a plain or apex run's optimizer.state_dict()). The optimizer state "
+            f"is loaded; the dynamic loss scale starts again at {dynamic[0].scale:g} (it backs "
+            "off within a few skipped steps if that is too high). distamp.save_checkpoint / "
+            "load_checkpoint keep the scale",
+            stacklevel=3,
+        )
+
+
+def _torch_state_init_step(optimizer: torch.optim.Optimizer) -> bool:
+    """The placeholder step torch.distributed.checkpoint's ``get_state_dict`` runs on an
+    optimizer with no state yet (zero gradients, every lr 0, to create the state it then maps
+    by name): not a training step, so neither warned about nor counted (it used the one-time
+    "step() without scale_loss" warning and counted a step; an audit)."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if not all(float(g["lr"]) == 0.0 for g in groups if "lr" in g):
+        return False
+    for group in groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                if param.requires_grad:
+                    return False
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if bool(local.any()):
+                return False
+    return True
 
 
 def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:

@@ -255,7 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--comm-hook",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="reduce gradients in the half dtype with distamp.hooks.register (not at O0)",
+        help="reduce gradients in a 16-bit dtype with distamp.hooks.register (not at an "
+        "explicit --opt-level O0 without --shard-weights)",
     )
     dist_group.add_argument(
         "--reduce-scatter",
@@ -862,7 +863,7 @@ def main() -> None:
     )
     train_model: nn.Module = model
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-    hooked = False  # distamp's hooks reduce the gradients in the half dtype
+    hook: object = None  # distamp's hook, which reduces the gradients in 16 bits
     if backend is not None:
         # The .grad are views into DDP's buckets: no copy into them and back every step.
         train_model = DistributedDataParallel(
@@ -874,7 +875,7 @@ def main() -> None:
         # (README, W2/W3: the bytes of one all-reduce, the weight gather overlapped).
         auto_zero = "auto" in why and args.opt_level == "O2" and args.comm_hook and world_size > 1
         if shard_fp32 and args.comm_hook:
-            distamp.hooks.register(  # distamp: ZeRO's gradient path, 16-bit both ways
+            hook = distamp.hooks.register(  # distamp: ZeRO's gradient path, 16-bit both ways
                 train_model,
                 optimizer,
                 reduce_scatter=True,
@@ -882,14 +883,11 @@ def main() -> None:
                 gather_dtype=torch.bfloat16,
             )
         elif args.reduce_scatter or auto_zero:
-            distamp.hooks.register(  # distamp: ZeRO's gradient path
+            hook = distamp.hooks.register(  # distamp: ZeRO's gradient path
                 train_model, optimizer, reduce_scatter=True, overlap_gather=True
             )
         elif args.comm_hook and (args.opt_level != "O0" or ("auto" in why and world_size > 1)):
-            distamp.hooks.register(train_model, optimizer)  # (auto's O0 alone: nothing to reduce)
-        hooked = args.comm_hook and (
-            shard_fp32 or args.opt_level != "O0" or ("auto" in why and world_size > 1)
-        )
+            hook = distamp.hooks.register(train_model, optimizer)  # (auto's O0 alone: no wire)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     tokens = load_stdlib_bytes(int(args.data_mb * 2**20))
     data = RandomWindows(tokens, args.seq_len, seed=args.seed + rank)
@@ -899,13 +897,16 @@ def main() -> None:
         "bf16": torch.bfloat16,
         "fp16": torch.float16,
     }[args.half_dtype]
-    # O0 computes in FP32: its half dtype is only the wire's (auto's O0), if anything's.
+    # O0 computes in FP32: its half dtype is only the wire's (the hook's choice), if anything's.
     half_name = str(half).removeprefix("torch.")
+    wire = getattr(hook, "wire_dtype", None)
     precision = (
         f"half dtype {half_name}"
         if args.opt_level != "O0"
-        else f"FP32 compute, gradients reduced in {half_name}"
-        if hooked
+        else "FP32 compute, one rank: nothing reduced"
+        if world_size == 1
+        else f"FP32 compute, gradients reduced in {str(wire).removeprefix('torch.')}"
+        if wire not in (None, torch.float32)
         else "FP32 compute and wire"
     )
     if is_main:

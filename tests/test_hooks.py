@@ -485,3 +485,50 @@ def test_register_with_arguments_that_differ_between_ranks_raises_on_every_rank(
         assert message is not None and "distamp.hooks.register" in message
         assert "reduce_scatter" in message, message
         assert reduced == 0  # enabled=False: nothing registered, the state unused
+
+
+def _o0_wires(rank, world):
+    """The wire register picks for FP32 gradients whose half dtype is fp16 (CUDA's "auto")."""
+    out = {}
+    for name, shard, reduce_scatter, dtype in [
+        ("O0 all-reduce", False, False, None),
+        ("O0 sharded reduce-scatter", True, True, None),
+        ("O0 fp16 asked for", False, False, torch.float16),
+        ("O1 dynamic scale", None, False, None),
+    ]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        level = "O1" if shard is None else "O0"
+        extra = {} if shard is None else {"shard_master_weights": shard}
+        model, opt = distamp.wrap(
+            model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0, **extra
+        )
+        state = distamp.hooks.register(DDP(model), opt, dtype, reduce_scatter=reduce_scatter)
+        out[name] = state.wire_dtype
+    model = mlp()
+    opts = [torch.optim.SGD(model[:1].parameters(), lr=0.1)]
+    opts.append(torch.optim.SGD(model[1:].parameters(), lr=0.1))
+    model, opts = distamp.wrap(model, opts, opt_level="O1", verbosity=0)
+    try:
+        distamp.hooks.register(DDP(model), opts)
+        out["list"] = None
+    except TypeError as err:
+        out["list"] = str(err)
+    return out
+
+
+@pytest.mark.xdist_group("multirank")
+def test_fp32_gradients_with_no_loss_scale_go_over_a_bf16_wire_not_fp16():
+    """O0 (static scale 1.0) on CUDA, whose "auto" half dtype is fp16, reduced its FP32
+    gradients over an fp16 wire: at 4 ranks 39% of gradients near 6e-8 flushed to zero, the rest
+    34% off, silently (an audit). Without a loss scale the wire is bf16 (FP32's range); fp16 when
+    asked for, or under O1's dynamic scale. A list of optimizers is named as such (it was told
+    it "was not returned by distamp.wrap")."""
+    for out in run_ranks(_o0_wires, 2):
+        assert out["O0 all-reduce"] == torch.bfloat16
+        assert out["O0 sharded reduce-scatter"] == torch.bfloat16
+        assert out["O0 fp16 asked for"] == torch.float16
+        assert out["O1 dynamic scale"] == torch.float16
+        assert (
+            out["list"] is not None and "expected one optimizer, found a list of 2" in out["list"]
+        )

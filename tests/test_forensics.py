@@ -310,7 +310,8 @@ def wire_overflow(rank, world):
         model, opt, opt_level="O0", shard_master_weights=True, half_dtype=torch.float16, verbosity=0
     )
     ddp = DDP(model)
-    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    # (an fp16 wire asked for: with no loss scale, O0's default wire is bf16)
+    distamp.hooks.register(ddp, opt, torch.float16, reduce_scatter=True)
     x, y = data(1, 4 * world)[0]
     loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4] * 1e6)
     with distamp.scale_loss(loss, opt) as scaled:

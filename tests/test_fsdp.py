@@ -517,7 +517,6 @@ def _unfreeze_a_frozen_unit(rank, world, add_group, steps=4, unfreeze_at=2):
     opt = torch.optim.SGD(held, lr=0.1)  # linear in the gradients: no sign flip amplified
     if rank is not None:
         model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
-    losses = []
     for step in range(steps):
         if step == unfreeze_at:
             for p in model.blocks[1].parameters():
@@ -533,7 +532,6 @@ def _unfreeze_a_frozen_unit(rank, world, add_group, steps=4, unfreeze_at=2):
                 scaled.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
     if rank is None:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

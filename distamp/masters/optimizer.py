@@ -179,6 +179,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                     "optimizer steps; expected distamp.fsdp.fully_shard(model, optimizer, "
                     "opt_level=...) on the FP32 model instead of wrap + fully_shard"
                 )
+        placeholder = False  # see _torch_state_init_step
         if st.state is OptState.READY:
             if no_grads:
                 _decide_with_no_blocks(st)
@@ -201,8 +202,6 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
-        else:
-            placeholder = False
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
         touched, scale = _scaled_grads_touched(st), st.grad_scale
         if st.state is not OptState.UNSCALED:

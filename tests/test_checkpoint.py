@@ -466,6 +466,13 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     state = torch.load(target, weights_only=True)
     plain = Net()
     plain.load_state_dict(state)  # strict: every key, every shape
+    # DeepSpeed's convert_zero_checkpoint_to_fp32_state_dict(dir, out) habit: told, not a bare error
+    with pytest.raises(
+        TypeError, match=r"model_index: expected an int .* got str 'x.pt'.*torch.save"
+    ):
+        consolidate(directory, "x.pt")
+    with pytest.raises(TypeError, match=r"optimizer_index: expected an int .* got float 1.0$"):
+        consolidate_optimizer_state(directory, 1.0)
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
 
     # The consolidated weights are the FP32 masters, bit for bit (not the bf16 weights).

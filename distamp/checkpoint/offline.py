@@ -5,6 +5,7 @@ checkpoint layout] in state.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,17 @@ def consolidate_optimizer_state(
 
 
 def _check_index(what: str, index: int, saved: int, kind: str) -> None:
+    if isinstance(index, bool) or not isinstance(index, int):
+        hint = ""
+        if isinstance(index, (str, os.PathLike)):  # DeepSpeed's (checkpoint_dir, output_file) habit
+            hint = (
+                "; to write a file: torch.save(distamp.checkpoint.consolidate(DIR), OUT) or "
+                "`python -m distamp.checkpoint consolidate DIR OUT`"
+            )
+        raise TypeError(
+            f"{what}: expected an int index (0..{saved - 1}, {saved} {kind} saved), "
+            f"got {type(index).__name__} {index!r}{hint}"
+        )
     if not 0 <= index < saved:
         raise CheckpointError(
             f"{what}: expected 0..{saved - 1} ({saved} {kind} saved), got {index}"

@@ -765,7 +765,12 @@ def scale_loss(
     before = [st.backward_since_step for st in states]
     for st in states:
         st.backward_since_step = False
-    yield scaled
+        st.masters.blocks_open += 1
+    try:
+        yield scaled
+    finally:
+        for st in states:
+            st.masters.blocks_open -= 1
     reached = any(st.backward_since_step for st in states)
     for st, seen in zip(states, before, strict=True):
         st.backward_since_step = st.backward_since_step or seen

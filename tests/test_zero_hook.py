@@ -819,3 +819,55 @@ def test_torch_attention_waits_for_the_weights_it_reads_without_calling_their_mo
         assert losses_o == losses
         for a, b in zip(evals, evals_o, strict=True):
             assert torch.equal(a, b)
+
+
+def _framework_backward(rank: int, world: int, level: str, hook: str) -> dict:
+    """Hugging Face's Trainer and accelerate: backward outside scale_loss (no loss scale: bf16),
+    then torch's clip_grad_norm_(model.parameters()) before step(), with nothing of distamp's
+    in between."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {"shard_master_weights": True} if level == "O0" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **extra)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    overlap = hook == "reduce-scatter, gather overlapped"
+    distamp.hooks.register(ddp, opt, reduce_scatter=hook != "all-reduce", overlap_gather=overlap)
+    norms, grads = [], []
+    with pytest.warns(UserWarning, match="without distamp.scale_loss"):
+        for step in range(4):
+            x, y = _batch(rank, step)
+            F.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten()).backward()
+            grads.append(model.head.weight.grad.detach().float().clone())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+            opt.step()
+            opt.zero_grad()
+    weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {"norms": norms, "grads": grads, "weights": weights}
+
+
+@pytest.mark.parametrize(
+    ("level", "hook"),
+    [
+        ("O2", "reduce-scatter"),
+        ("O0", "reduce-scatter"),
+        ("O0", "reduce-scatter, gather overlapped"),
+    ],
+)
+def test_a_framework_s_clipping_after_its_own_backward_clips_the_reduced_gradients(level, hook):
+    """A backward outside scale_loss (the Trainer's, accelerate's, Lightning's) is not the
+    script's own, so nothing can be refused in it: under the reduce-scatter hook the model's
+    .grad kept each rank's own gradients, the framework's clip_grad_norm_(model.parameters())
+    measured each rank's own norm and was lost (O0 sharded: trained unclipped, silently) or
+    parted the ranks (O2). Such a backward now ends with the reduced gradients gathered into
+    .grad, as DDP promises: the same training as the all-reduce hook, norms agreed on every
+    rank. Bit for bit at 2 ranks (the sum of two addends is rounded once either way)."""
+    rs = run_ranks(_framework_backward, 2, level, hook)
+    ar = run_ranks(_framework_backward, 2, level, "all-reduce")
+    for r in (0, 1):
+        assert rs[r]["norms"] == ar[0]["norms"], (r, rs[r]["norms"], ar[0]["norms"])
+        for got, want in zip(rs[r]["grads"], ar[0]["grads"], strict=True):
+            assert torch.equal(got, want)
+        assert _max_diff(rs[r]["weights"], ar[0]["weights"]) == 0.0

@@ -73,6 +73,9 @@ class ZeroState(CompressState):
     """Where a piece's sum over more than two ranks goes: see :meth:`sum_buffer`."""
     _received: int = field(default=0, repr=False)
     """Elements of the masters' staging buffer the buckets of this backward received into."""
+    _gather_queued: bool = field(default=False, repr=False)
+    """This backward ends with the reduced gradients gathered into ``.grad``: see [Note: a
+    backward distamp does not see]."""
 
     def finish_gather(self) -> None:
         """With ``overlap_gather``: wait until the weights the last step updated have all arrived
@@ -102,9 +105,12 @@ def zero_reduce_hook(
     idx = bucket.index()
     if idx == 0:  # DDP hands its buckets over in index order: a new backward
         state._received = 0
+        state._gather_queued = False
     plan = _plan(state, masters, bucket)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
+    if not masters.blocks_open and not state._gather_queued:
+        _gather_when_backward_ends(state, masters)
     # See [Note: buffers only in flight] in compress.py. With 16-bit updates of FP32 weights the
     # staging buffer exists anyway and receives (see [Note: one staging buffer for the two
     # halves] in masters/gather.py).
@@ -192,6 +198,34 @@ def zero_reduce_hook(
     done = fut.then(reduce)
     state._in_flight.append(done)
     return done
+
+
+def _gather_when_backward_ends(state: ZeroState, masters: "ShardedMasterParams") -> None:
+    """[Note: a backward distamp does not see] A backward run outside ``scale_loss`` is a
+    framework's (Hugging Face's Trainer, accelerate's ``backward``, Lightning's automatic
+    optimization), and what runs between it and ``step()`` is the framework's too: typically
+    ``clip_grad_norm_(model.parameters())``, which must see DDP's promise, the reduced gradients
+    in every rank's ``.grad``. Under this hook they held each rank's own: the clip measured each
+    rank's norm and was lost (the step reads the shards) or parted the ranks, silently (an
+    audit). Inside ``scale_loss`` the script is ours to refuse (see [Note: edits lost under the
+    reduce-scatter hook]); outside it nothing can be refused, so such a backward ends with the
+    reduced shards all-gathered into ``.grad`` (the bytes of half an all-reduce) and their
+    versions recorded, as after ``distamp.unscale_``: ``step()`` takes what the framework
+    changed. Run backward inside ``scale_loss`` to keep the reduce-scatter's saving.
+
+    Queued on the autograd engine from the first bucket reduce-scattered; that callback queues
+    the gather, which so runs after DDP's own end-of-backward callback (queued at the last
+    bucket, it waits for every bucket and writes their results into ``.grad``). Every rank
+    queues it: whether a bucket is reduce-scattered and whether a block is open are the same on
+    every rank (the same buckets, the same script)."""
+    state._gather_queued = True
+    engine = torch.autograd.Variable._execution_engine
+
+    def after_ddp() -> None:
+        state._gather_queued = False
+        masters.gather_after_outside_backward()
+
+    engine.queue_callback(lambda: engine.queue_callback(after_ddp))
 
 
 def _copy_runs(summed: torch.Tensor, runs: list[Run], grad_buffer: torch.Tensor) -> None:

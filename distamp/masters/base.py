@@ -74,6 +74,9 @@ class ModelGrads:
     last step: see [Note: loading weights into the masters]."""
     reduced: AbstractSet[int] = frozenset()
     """ids of the parameters a reduce-scatter hook summed into shards this step (sharded.py)."""
+    blocks_open = 0
+    """``scale_loss`` blocks of this optimizer open now: a backward outside them is a framework's
+    (see [Note: a backward distamp does not see] in hooks/zero.py)."""
 
     def release_master_grads(self) -> None:
         raise NotImplementedError

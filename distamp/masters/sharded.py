@@ -461,10 +461,24 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         if not self.reduced or self.world == 1:
             super().expose_unscaled(inv_scale)
             return
+        self._gather_reduced_grads(inv_scale)
+
+    def gather_after_outside_backward(self) -> None:
+        """Collective, at the end of a backward run outside ``scale_loss`` under the reduce-scatter
+        hook: see [Note: a backward distamp does not see]."""
+        if self.reduced and self.world > 1:
+            self._gather_reduced_grads(None)
+
+    def _gather_reduced_grads(self, inv_scale: float | None) -> None:
+        """The reduced shard gradients all-gathered into the model's ``.grad`` of the parameters
+        the hook reduced; the others of the sharded groups (all-reduced by DDP) multiplied by
+        ``inv_scale`` unless None. Records the versions ``step()`` compares (edits are taken)."""
         with torch.no_grad():
             for g, layout in enumerate(self.groups):
                 grad = self.shard_grads[g]
                 if not layout.params or layout.flat_half is None or grad is None:
+                    continue
+                if inv_scale is None and not any(id(p) in self.reduced for p in layout.params):
                     continue
                 full = torch.empty_like(layout.flat_half)
                 for work in self._gather(layout, grad.to(full.dtype), full):
@@ -474,7 +488,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                         continue
                     if id(p) in self.reduced:
                         p.grad.copy_(full[r.start : r.start + r.numel].view(r.shape))
-                    else:
+                    elif inv_scale is not None:
                         p.grad.mul_(inv_scale)
         self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
 

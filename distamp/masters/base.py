@@ -25,6 +25,7 @@ class MasterWeights(Protocol):
     fsdp: bool
     model_params: list[nn.Parameter]
     restored: bool
+    blocks_open: int
 
     @property
     def reduced(self) -> AbstractSet[int]: ...

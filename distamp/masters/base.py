@@ -277,6 +277,38 @@ def bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([h, -h])
 
 
+WRITE_SAMPLES = 32
+"""Values of each weight (of each piece a rank holds, when sharded) compared with its master at
+every step: see [Note: writes through .data]."""
+
+
+def written_through_data(weights: torch.Tensor, masters: torch.Tensor) -> torch.Tensor:
+    """Which sampled ``weights`` differ from their ``masters`` rounded to the weights' dtype
+    (NaN equals NaN): a bool tensor.
+
+    [Note: writes through .data] ``p.data.clamp_(-c, c)`` after ``optimizer.step()`` (WGAN's
+    weight clipping, the apex-era habit), ``p.data.copy_(averaged)``, ``emb.weight.data[pad]
+    .zero_()``: ``.data`` is a tensor with a version counter of its own, so these writes do not
+    move the parameter's counter that [Note: weights written after wrap] reads, and the masters
+    wrote the old values back at the next step: the model's weights looked clipped while the
+    FP32 masters, which are what trains, grew without bound (an audit: 1.6 after 3 steps of a
+    0.01 clip), silently. So every step also compares a sample of each weight with its master
+    rounded (:data:`WRITE_SAMPLES` values, strided over the weight: a clip or copy changes most
+    of them; a write of a few elements between the samples is still missed) and merges a
+    weight whose sample differs element by element, as a counted write. Not for 16-bit updates
+    of FP32 weights (the weights there are the old ones plus rounded updates, never the masters
+    exactly)."""
+    with torch.no_grad():
+        rounded = masters.to(weights.dtype)
+        return (weights != rounded) & ~(torch.isnan(weights) & torch.isnan(rounded))
+
+
+def strided_sample(flat: torch.Tensor) -> torch.Tensor:
+    """At most :data:`WRITE_SAMPLES` values of the 1-D ``flat``, evenly strided (a view)."""
+    step = max(1, flat.numel() // WRITE_SAMPLES)
+    return flat[::step][:WRITE_SAMPLES]
+
+
 # Never traced: a compiled ``optimizer.step`` (torch's recipe) let Inductor fold the round trip
 # ``master.to(half).to(value.dtype)`` away, every element then compared as written and the FP32
 # masters were replaced by the half weights each step, silently (an audit).

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 from ..config import HALF_DTYPES
-from .base import ModelGrads, bit_hash, grad_samples, merge_loaded
+from .base import (
+    ModelGrads,
+    bit_hash,
+    grad_samples,
+    merge_loaded,
+    strided_sample,
+    written_through_data,
+)
 from .clipping import scale_to_max_norm_
 from .nonfinite import check_and_unscale_
 
@@ -94,7 +101,37 @@ class MasterParams(ModelGrads):
             ):
                 if s and p._version != version:
                     self.load_value(p, p.detach(), written=True)
+            self._take_writes_through_data()
         self._record_weights()
+
+    def _take_writes_through_data(self) -> None:
+        """See [Note: writes through .data] in base.py."""
+        pairs = [
+            (p, m)
+            for p, m, s in zip(self.model_params, self.masters, self.separate, strict=True)
+            if s
+            and p.numel()
+            and p.layout == torch.strided
+            and p.is_contiguous()
+            and m.is_contiguous()
+        ]
+        if not pairs:
+            return
+        with torch.no_grad():
+            weights = [strided_sample(p.detach().view(-1)) for p, _ in pairs]
+            masters = [strided_sample(m.detach().view(-1)).to(p.dtype) for p, m in pairs]
+            device = weights[0].device
+            differ = written_through_data(
+                torch.cat([w.float().to(device) for w in weights]),
+                torch.cat([m.float().to(device) for m in masters]),
+            )
+        if not bool(differ.any()):
+            return
+        at = 0
+        for (p, _), w in zip(pairs, weights, strict=True):
+            if bool(differ[at : at + w.numel()].any()):
+                self.load_value(p, p.detach(), written=True)
+            at += w.numel()
 
     def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
         """``[0, 0, hg, -hg]`` (the layout of ``ShardedMasterParams.replica_fingerprint``, no

@@ -47,7 +47,15 @@ from torch import nn
 
 from ..collectives import all_reduce_
 from ..config import HALF_DTYPES
-from .base import ModelGrads, bit_hash, grad_samples, grad_version, merge_loaded
+from .base import (
+    WRITE_SAMPLES,
+    ModelGrads,
+    bit_hash,
+    grad_samples,
+    grad_version,
+    merge_loaded,
+    written_through_data,
+)
 from .clipping import norm_part, scale_to_max_norm_, total_norm
 from .gather import WeightGather
 from .layout import BLOCK, GroupLayout, Interval, ParamRange, slice_state
@@ -524,6 +532,64 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 if before != after:
                     self.load_value(param, param.detach(), written=True)
             layout.seen_versions = now
+        self._take_writes_through_data()
+
+    def _take_writes_through_data(self) -> None:
+        """See [Note: writes through .data] in base.py: this rank's pieces (sampled) against its
+        shard; a weight whose sample differs is merged as a write. Every rank checks its own
+        pieces (the ranks' weights are the same; each merges what it owns)."""
+        if self.update_dtype is not None and self.world > 1:
+            return  # the weights are the old ones plus rounded updates: never the shard exactly
+        for g, layout in enumerate(self.groups):
+            flat, shard = layout.flat_half, self.shards[g]
+            if flat is None or not layout.params:
+                continue
+            flat_at, shard_at, owner = self._write_samples(g)
+            if not flat_at.numel():
+                continue
+            with torch.no_grad():
+                differ = written_through_data(flat[flat_at], shard[shard_at])
+            if not bool(differ.any()):
+                continue
+            for index in sorted({int(i) for i in owner[differ].tolist()}):
+                param = layout.params[index]
+                self.load_value(param, param.detach(), written=True)
+
+    def _write_samples(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions in group ``g``'s flat weights, the same in its shard, the parameter index)
+        of the sampled values of this rank's pieces, made once per layout."""
+        layout = self.groups[g]
+        cache: dict[int, tuple[Any, ...]] = self.__dict__.setdefault("_write_sample_cache", {})
+        key = (id(layout.flat_half), len(layout.pieces))
+        cached = cache.get(g)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        by_param: dict[int, list[tuple[int, int, int]]] = {}
+        for index, src, count, dst in layout.pieces:
+            by_param.setdefault(index, []).append((src, count, dst))
+        flat_at: list[int] = []
+        shard_at: list[int] = []
+        owner: list[int] = []
+        for index, pieces in by_param.items():
+            total = sum(count for _, count, _ in pieces)
+            step = max(1, total // WRITE_SAMPLES)
+            start = layout.ranges[index].start
+            k = 0  # the k-th element of this parameter's pieces, in order
+            for src, count, dst in pieces:
+                first = (-k) % step  # the first multiple of step at or after k, within the piece
+                for i in range(first, count, step):
+                    if (k + i) // step >= WRITE_SAMPLES:
+                        break
+                    flat_at.append(start + src + i)
+                    shard_at.append(dst + i)
+                    owner.append(index)
+                k += count
+        device = self._device()
+        out = tuple(
+            torch.tensor(v, dtype=torch.long, device=device) for v in (flat_at, shard_at, owner)
+        )
+        cache[g] = (key, out)
+        return out  # type: ignore[return-value]
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
         return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]

@@ -21,6 +21,22 @@ def test_cli_prints_machine_facts_and_advice():
         assert word in run.stdout, word
 
 
+def test_the_advice_follows_the_fastest_measured_matmul():
+    """A half matmul at 70% of FP32's is no reason for mixed precision (an audit: the doctor said
+    "O1/O2 pay off" there while benchmarks/compare.py chose FP32); the rule is one for both."""
+    slow_half = {"float32": 100.0, "float16": 70.0, "bfloat16": 60.0}
+    assert distamp.doctor.fastest_compute(slow_half) == "float32"
+    advice = distamp.doctor.cpu_advice(slow_half, bf16_wire=True)
+    assert "compute in FP32 (O0)" in advice and "shard_master_weights=True" in advice
+    assert "gather_dtype=torch.bfloat16" in advice and "pays off" not in advice
+    assert "gather_dtype" not in distamp.doctor.cpu_advice(slow_half, bf16_wire=False)
+    units = {"float32": 50.0, "float16": 1.2, "bfloat16": 400.0}
+    assert distamp.doctor.fastest_compute(units) == "bfloat16"
+    assert "half_dtype=torch.bfloat16" in distamp.doctor.cpu_advice(units, bf16_wire=True)
+    fp16_gemm = {"float32": 50.0, "float16": 120.0, "bfloat16": 2.0}
+    assert "half_dtype=torch.float16" in distamp.doctor.cpu_advice(fp16_gemm, bf16_wire=True)
+
+
 def test_check_finds_a_layernorm_eps_that_fp16_rounds_to_0_where_the_norm_may_run_in_fp16():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-12), nn.Linear(8, 2))
     for level in ("O1", "O3"):

@@ -225,6 +225,46 @@ def reducible_dtypes(backend: str = "gloo") -> dict[str, bool]:
     return out
 
 
+def fastest_compute(flops: dict[str, float]) -> str:
+    """ "bfloat16", "float16" or "float32": the dtype whose measured matmul is fastest (``flops``
+    by dtype name, as :func:`compare_matmuls` gives them). Mixed precision pays off in compute
+    only where a half dtype beats FP32; ``benchmarks/compare.py --compute auto`` uses this rule
+    too (an audit: the doctor said "O1/O2 pay off" for a half matmul at 70% of FP32's, where
+    the benchmark chose FP32)."""
+    fastest = max(("float32", "bfloat16", "float16"), key=lambda d: flops.get(d, 0.0))
+    return fastest if flops.get(fastest, 0.0) > flops.get("float32", 0.0) else "float32"
+
+
+def cpu_advice(flops: dict[str, float], *, bf16_wire: bool) -> str:
+    """What to train with on this CPU, from its measured matmul throughput (``flops`` by dtype
+    name) and whether gloo reduces bf16 (``bf16_wire``)."""
+    fp32, fp16, bf16 = flops["float32"], flops["float16"], flops["bfloat16"]
+    measured = f"fp16 {fp16:.1f}, bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s"
+    best = fastest_compute(flops)
+    if best == "bfloat16":
+        return (
+            f"bf16 matmul is the fastest here ({measured}): O2 (or O1) with "
+            "half_dtype=torch.bfloat16 (the CPU default) pays off"
+        )
+    if best == "float16":
+        return (
+            f"fp16 matmul is the fastest here ({measured}): O2 (or O1) with "
+            "half_dtype=torch.float16 (with the dynamic loss scale) pays off"
+        )
+    wire = (
+        '; across ranks keep a 16-bit wire and 1/N of the optimizer state: opt_level="O0", '
+        "shard_master_weights=True and distamp.hooks.register(ddp, optimizer, "
+        "reduce_scatter=True, gather_dtype=torch.bfloat16) (what the example's --opt-level auto "
+        "picks)"
+        if bf16_wire
+        else ""
+    )
+    return (
+        f"no half dtype's matmul beats FP32 on this CPU ({measured}: no fp16 GEMM, no bf16 "
+        f"units): compute in FP32 (O0){wire}; or use a GPU"
+    )
+
+
 def machine(seconds: float = 1.0) -> dict[str, Any]:
     """Facts about this machine: versions, backends, devices, measured matmul throughput (the
     CPU's, and the first GPU's where there is one: the device a run trains on)."""
@@ -239,24 +279,8 @@ def machine(seconds: float = 1.0) -> dict[str, Any]:
         "nccl": dist.is_available() and dist.is_nccl_available(),
         "mpi": dist.is_available() and dist.is_mpi_available(),
     }
-    advice = []
-    fp32, fp16, bf16 = flops["float32"], flops["float16"], flops["bfloat16"]
-    if fp16 < fp32 / 2 and bf16 < fp32 / 2:
-        advice.append(
-            f"neither half dtype has a fast matmul on this CPU (fp16 {fp16:.1f}, bf16 {bf16:.1f} "
-            f"vs fp32 {fp32:.1f} GFLOP/s: no fp16 GEMM, no bf16 units): train in FP32 (O0) "
-            "here, or use a GPU"
-        )
-    elif fp16 < fp32 / 2:
-        advice.append(
-            f"fp16 matmul runs at {fp16:.1f} GFLOP/s, {fp32 / max(fp16, 1e-9):.0f}x slower than "
-            f"fp32 (no fp16 GEMM on this CPU), bf16 at {bf16:.1f}: use bf16 "
-            "(half_dtype=torch.bfloat16, the CPU default)"
-        )
-    elif bf16 < fp32 / 2:
-        advice.append(f"bf16 matmul is slow here ({bf16:.1f} GFLOP/s): use fp16")
-    else:
-        advice.append("half-precision matmul is fast here: O1/O2 pay off")
+    gloo_reduces = reducible_dtypes("gloo") if backends["gloo"] else {}
+    advice = [cpu_advice(flops, bf16_wire=gloo_reduces.get("bfloat16", False))]
     if gpu_flops:
         advice.append(
             f"cuda:0: fp16 {gpu_flops['float16'] / 1e3:.0f}, bf16 {gpu_flops['bfloat16'] / 1e3:.0f} "
@@ -269,9 +293,18 @@ def machine(seconds: float = 1.0) -> dict[str, Any]:
         "backends": backends,
         "matmul_gflops": flops,
         "gpu_matmul_gflops": gpu_flops,
-        "gloo_reduces": reducible_dtypes("gloo") if backends["gloo"] else {},
+        "gloo_reduces": gloo_reduces,
         "advice": advice,
     }
 
 
-__all__ = ["Finding", "check", "kept_fp32", "machine", "matmul_gflops", "reducible_dtypes"]
+__all__ = [
+    "Finding",
+    "check",
+    "cpu_advice",
+    "fastest_compute",
+    "kept_fp32",
+    "machine",
+    "matmul_gflops",
+    "reducible_dtypes",
+]

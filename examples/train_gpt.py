@@ -502,6 +502,39 @@ def lr_lambda(total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def fp16_adam_eps(
+    optimizer: torch.optim.Optimizer, opt_level: str, half_dtype: str, device: torch.device
+) -> None:
+    """O3 in fp16 has no FP32 masters: AdamW steps fp16 state, where its default eps (1e-8) is 0
+    and a squared gradient that underflows divides by it (distamp.wrap warns about it): eps 1e-4
+    there. Both examples (an audit: the FSDP one turned NaN from step 2 and still exited 0)."""
+    if opt_level == "O3" and (
+        half_dtype == "fp16" or (half_dtype == "auto" and device.type == "cuda")
+    ):
+        for group in optimizer.param_groups:
+            group["eps"] = 1e-4
+
+
+def continue_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, extra: dict, steps: int, announce: bool
+) -> None:
+    """After ``scheduler.load_state_dict``: the rate of the next step from this run's schedule
+    (``lr_lambda(steps)``). The loaded optimizer and scheduler hold the saved run's last rate, so
+    a resume with another --steps (elastic.sh's "go on past the demo's 40 steps") trained its
+    first step at the old schedule's final rate and jumped onto the new cosine at the second,
+    silently (an audit). With the same --steps the rate is the saved one, bit for bit."""
+    scheduler.last_epoch -= 1
+    scheduler.step()  # the rate for last_epoch, from this run's lambda (no optimizer step)
+    saved = extra.get("steps")
+    if announce and saved is not None and int(saved) != steps:
+        print(
+            f"note: --steps {steps} differs from the checkpoint's run ({saved}): the learning-rate "
+            f"schedule goes on as the {steps}-step one (lr {scheduler.get_last_lr()[0]:.2e} at "
+            f"step {int(extra['step']) + 1})",
+            flush=True,
+        )
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU has bf16 arithmetic units (x86 avx512_bf16/amx_bf16, Arm bf16).
 
@@ -514,6 +547,31 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+def job_has_bf16() -> bool:
+    """:func:`cpu_has_bf16` agreed by every rank of the job (the MIN over the default process
+    group, when there is one): a job over nodes of two CPU kinds picked O2 on some and O0 on
+    others, and wrap refused it blaming opt_levels the user never chose (an audit)."""
+    units = cpu_has_bf16()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1.0 if units else 0.0])
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        units = bool(flag.item())
+    return units
+
+
+def saved_opt_level(resume: str | None) -> str | None:
+    """The opt_level a checkpoint was saved with (None: no checkpoint, or one that says none)."""
+    if resume is None:
+        return None
+    try:
+        level = distamp.checkpoint.inspect(resume)["opt_level"]
+    except (OSError, ValueError, KeyError, distamp.checkpoint.CheckpointError):
+        return None  # load_checkpoint names what is wrong with it
+    return level if level in ("O0", "O1", "O2", "O3") else None
+
+
 def pick_opt_level(
     requested: str,
     device: torch.device,
@@ -522,13 +580,26 @@ def pick_opt_level(
     *,
     fsdp: bool = False,
     comm_hook: bool = True,
+    bf16_units: bool | None = None,
+    resume_level: str | None = None,
 ) -> tuple[str, str]:
     """(opt_level, why) for --opt-level auto: the fastest correct configuration for the machine
     (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks, or
     under FSDP2 (``fsdp``: it shards the FP32 parameters and the optimizer state itself). ``why``
-    says what goes on the wire: distamp's hooks, or DDP's own all-reduce (``comm_hook`` off)."""
+    says what goes on the wire: distamp's hooks, or DDP's own all-reduce (``comm_hook`` off).
+    ``bf16_units``: the job's (:func:`job_has_bf16`; default: this CPU's). ``resume_level``: the
+    opt_level of the checkpoint the run resumes from, which auto keeps (a requeue onto another
+    CPU kind could not load it otherwise: load_checkpoint refuses another opt_level)."""
     if requested != "auto":
         return requested, ""
+    if resume_level is not None and device.type != "cuda":
+        units = resume_level == "O2" if resume_level in ("O0", "O2") else bf16_units
+        level, why = pick_opt_level(
+            "auto", device, half_dtype, world_size, fsdp=fsdp, comm_hook=comm_hook, bf16_units=units
+        )
+        if level == resume_level:
+            return level, why.replace("(auto: ", "(auto: as the checkpoint resumed from; ", 1)
+        return resume_level, " (auto: the level of the checkpoint resumed from)"
     if fsdp:
         zero = f"FSDP2 shards the FP32 parameters and AdamW state over {world_size} rank(s)"
     elif world_size > 1 and comm_hook:
@@ -544,7 +615,7 @@ def pick_opt_level(
         return "O2", f" (auto: GPU: half compute; {zero})"
     if half_dtype == "fp16":
         return "O2", f" (auto: --half-dtype fp16 asked for; {zero})"
-    if cpu_has_bf16():
+    if cpu_has_bf16() if bf16_units is None else bf16_units:
         return "O2", f" (auto: this CPU has bf16 units: bf16 compute; {zero})"
     no_units = (
         " (auto: this CPU has no bf16 units, where bf16 matmul runs ~100x slower than FP32: FP32 "
@@ -589,7 +660,10 @@ def save(
     directory = args.ckpt_dir / f"step_{step:06d}"
     start = time.perf_counter()
     distamp.save_checkpoint(  # distamp
-        directory, model, optimizer, extra={"step": step, "scheduler": scheduler.state_dict()}
+        directory,
+        model,
+        optimizer,
+        extra={"step": step, "steps": args.steps, "scheduler": scheduler.state_dict()},
     )
     if progress.enabled:
         progress.print(f"saved {directory} in {time.perf_counter() - start:.2f} s")
@@ -829,8 +903,15 @@ def main() -> None:
     )
 
     asked = args.opt_level
+    resume_from = find_resume(args)
     args.opt_level, why = pick_opt_level(
-        args.opt_level, device, args.half_dtype, world_size, comm_hook=args.comm_hook
+        args.opt_level,
+        device,
+        args.half_dtype,
+        world_size,
+        comm_hook=args.comm_hook,
+        bf16_units=job_has_bf16() if asked == "auto" else None,
+        resume_level=saved_opt_level(resume_from),
     )
     if args.shard_weights and args.opt_level in ("O2", "O3") and is_main:
         print(
@@ -845,13 +926,7 @@ def main() -> None:
             ),
             flush=True,
         )
-    if args.opt_level == "O3" and (
-        args.half_dtype == "fp16" or (args.half_dtype == "auto" and device.type == "cuda")
-    ):
-        # No FP32 masters: AdamW steps fp16 state, where its default eps (1e-8) is 0 and a
-        # squared gradient that underflows divides by it (distamp.wrap warns about it).
-        for group in optimizer.param_groups:
-            group["eps"] = 1e-4
+    fp16_adam_eps(optimizer, args.opt_level, args.half_dtype, device)
     # FP32 weights sharded: asked for, or auto's choice across ranks on a CPU without bf16 units.
     shard_fp32 = args.opt_level in ("O0", "O1") and (args.shard_weights or "sharded" in why)
     model, optimizer = distamp.wrap(  # distamp
@@ -921,7 +996,6 @@ def main() -> None:
         )
 
     first_step = 1
-    resume_from = find_resume(args)
     if resume_from is None and args.ckpt_dir is not None and is_main:
         earlier = distamp.checkpoint.list_checkpoints(args.ckpt_dir)
         if earlier:
@@ -936,6 +1010,7 @@ def main() -> None:
     if resume_from is not None:
         extra = distamp.load_checkpoint(resume_from, model, optimizer)  # distamp: any world size
         scheduler.load_state_dict(extra["scheduler"])
+        continue_schedule(scheduler, extra, args.steps, is_main)
         first_step = int(extra["step"]) + 1
         if args.ckpt_dir is not None:  # the run this one continues
             args.run_checkpoints = [

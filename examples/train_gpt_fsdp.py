@@ -33,10 +33,14 @@ from train_gpt import (
     check_ckpt_dir,
     check_progress_arguments,
     check_resume,
+    continue_schedule,
+    fp16_adam_eps,
+    job_has_bf16,
     leave_without_destructors,
     load_stdlib_bytes,
     lr_lambda,
     pick_opt_level,
+    saved_opt_level,
     setup_distributed,
 )
 
@@ -99,7 +103,18 @@ def main() -> None:
         raise SystemExit("run under torchrun: FSDP needs a process group")
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
-    opt_level, why = pick_opt_level(args.opt_level, device, args.half_dtype, world, fsdp=True)
+    resume = args.resume if args.resume not in ("auto", "none") else None
+    if args.resume == "auto" and args.ckpt_dir is not None:
+        resume = distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one, or None
+    opt_level, why = pick_opt_level(
+        args.opt_level,
+        device,
+        args.half_dtype,
+        world,
+        fsdp=True,
+        bf16_units=job_has_bf16() if args.opt_level == "auto" else None,
+        resume_level=saved_opt_level(resume),
+    )
     half = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16}[args.half_dtype]
 
     torch.manual_seed(0)
@@ -116,17 +131,16 @@ def main() -> None:
         lr=args.lr,
         betas=(0.9, 0.95),
     )
+    fp16_adam_eps(optimizer, opt_level, args.half_dtype, device)
     model, optimizer = distamp.fsdp.fully_shard(  # distamp: FSDP2 with the opt_level's policy
         model, optimizer, opt_level=opt_level, half_dtype=half
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     first = 1
-    resume = args.resume if args.resume not in ("auto", "none") else None
-    if args.resume == "auto" and args.ckpt_dir is not None:
-        resume = distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one, or None
     if resume is not None:
         extra = distamp.load_checkpoint(resume, model, optimizer)  # any world size
         scheduler.load_state_dict(extra["scheduler"])
+        continue_schedule(scheduler, extra, args.steps, rank == 0)
         first = int(extra["step"]) + 1
         if first > args.steps:
             if rank == 0:
@@ -196,7 +210,10 @@ def main() -> None:
     if args.ckpt_dir is not None:
         path = args.ckpt_dir / f"step_{args.steps:06d}"
         distamp.save_checkpoint(
-            path, model, optimizer, extra={"step": args.steps, "scheduler": scheduler.state_dict()}
+            path,
+            model,
+            optimizer,
+            extra={"step": args.steps, "steps": args.steps, "scheduler": scheduler.state_dict()},
         )
         progress.print(f"saved {path}")
     if rank == 0 and times:

@@ -14,7 +14,7 @@ GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [[ -z "${NPROC:-}" ]]; then
     NPROC=$(( GPUS > 0 ? GPUS : 2 ))
 elif [[ ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-    echo "NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
+    echo "--nproc / NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
     exit 2
 fi
 CORES=$(nproc)

@@ -37,6 +37,7 @@ RDZV_ID=${RDZV_ID:-}
 MASTER_ADDR=${MASTER_ADDR:-}
 MASTER_PORT=${MASTER_PORT:-29500}
 IFACE=${IFACE:-}
+IFACE_GIVEN=${IFACE:+1}
 MAX_RESTARTS=${MAX_RESTARTS:-}
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -50,7 +51,7 @@ while [[ $# -gt 0 ]]; do
             [[ "$2" == *:* ]] && MASTER_PORT=${2##*:}
             shift 2 ;;
         --nproc) NPROC=$2; shift 2 ;;
-        --iface) IFACE=$2; shift 2 ;;
+        --iface) IFACE=$2; IFACE_GIVEN=1; shift 2 ;;
         --max-restarts) MAX_RESTARTS=$2; shift 2 ;;
         -h|--help) usage 0 ;;
         --) shift; break ;;
@@ -117,8 +118,12 @@ if command -v ip >/dev/null; then
 elif [[ -z "$IFACE" ]]; then
     echo "multinode.sh: no 'ip' command (iproute2) to find the interface: pass --iface" >&2
 fi
-if [[ -n "$IFACE" ]]; then
+# --iface (or IFACE) sets both; the interface found above only fills what the caller left unset
+# (an audit: a cluster's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=^docker,lo were overwritten).
+if [[ -n "$IFACE" && -n "$IFACE_GIVEN" ]]; then
     export GLOO_SOCKET_IFNAME=$IFACE NCCL_SOCKET_IFNAME=$IFACE
+elif [[ -n "$IFACE" ]]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFACE} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFACE}
 fi
 BACKEND=gloo
 if (( GPUS > 0 )); then
@@ -128,9 +133,16 @@ fi
 RDZV=()
 if [[ -n "$RDZV_ID" ]]; then
     # c10d: the agent on the master's node hosts the store; say which one that is instead of
-    # letting torch guess from the hostname. Ranks go by the nodes' addresses (--local-addr).
+    # letting torch guess from the hostname (it misses a master address on a second NIC). Ranks
+    # go by the nodes' addresses (--local-addr). A loopback master (several "nodes" on one
+    # machine, to try the job out) is left to torch: an explicit is_host=1 on every agent there
+    # made all but the first fail to bind and the first wait out the rendezvous timeout (an
+    # audit); torch's own guess lets the later ones join as clients.
+    HOST_CONF=is_host=$IS_MASTER
+    [[ "$MASTER_IP" == 127.* ]] && HOST_CONF=
+    CONF=$HOST_CONF${RDZV_CONF:+${HOST_CONF:+,}$RDZV_CONF}
     RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_IP:$MASTER_PORT" --rdzv-id="$RDZV_ID"
-          --rdzv-conf="is_host=$IS_MASTER${RDZV_CONF:+,$RDZV_CONF}" --max-restarts="${MAX_RESTARTS:-3}")
+          ${CONF:+--rdzv-conf="$CONF"} --max-restarts="${MAX_RESTARTS:-3}")
     # After a restart the workers of every node must meet in a store with no keys of the dead
     # attempt. The agents' shared store keeps them, and the attempt number that could tell them
     # apart differs between nodes (the node that failed counts a restart, the others restart
@@ -150,6 +162,6 @@ if [[ $# -eq 0 ]]; then
 fi
 echo "multinode.sh: $(hostname) | ${RDZV_ID:+elastic rendezvous $RDZV_ID, }nodes $NNODES${NODE_RANK:+, node rank $NODE_RANK}" \
     "| master $MASTER_IP:$MASTER_PORT$( ((IS_MASTER)) && echo ' (this node)') | interface ${IFACE:-?}" \
-    "(${LOCAL_ADDR:-?}) | backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
+    "(${LOCAL_ADDR:-?}) ${GLOO_SOCKET_IFNAME:+GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME }| backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
 exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" \
     examples/train_gpt.py --backend "$BACKEND" --threads "$OMP_NUM_THREADS" "$@"

@@ -4,6 +4,7 @@
 #   bash launch/run.sh                                  # 2 ranks, small model, 60 steps, O2 (or O0, see below)
 #   NPROC=4 bash launch/run.sh --size tiny --steps 20   # arguments go to examples/train_gpt.py
 #
+# Installs first (scripts/setup.sh: only what is missing; SKIP_SETUP=1 skips it).
 # CPU: gloo, one rank per NPROC (default 2). GPUs: NCCL, one rank per GPU unless NPROC says
 # otherwise. The script picks the backend itself (NCCL when CUDA is available, else gloo).
 # Rank 0 shows a progress bar (plain lines when stdout is not a terminal) and leaves

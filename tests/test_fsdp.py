@@ -363,6 +363,12 @@ def test_fsdp_example_trains_saves_and_resumes_at_another_world_size(tmp_path):
     # O1: FSDP's FP32 shards are the weights themselves (no masters), and the line says so too.
     out = torchrun(2, "--steps", "1", "--opt-level", "O1")
     assert 0.98 < fp32_share(out, 2) < 1.05
+    # O3 in fp16 steps fp16 AdamW state, where eps 1e-8 is 0: the example sets 1e-4, as
+    # train_gpt.py does (an audit: NaN from step 2, every step skipped, and exit code 0).
+    micro = ["--size", "micro", "--seq-len", "16", "--steps", "3"]
+    out = torchrun(2, *micro, "--opt-level", "O3", "--half-dtype", "fp16")
+    final = float(re.search(r"done: final loss (\S+)", out).group(1))
+    assert final == final and abs(final) < 100, out[-1500:]
 
 
 def _two_losses_accumulated(rank, world, no_sync, nan_first):

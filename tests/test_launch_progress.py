@@ -265,6 +265,59 @@ def test_shard_weights_flag_trains_like_fp32_and_resumes_bit_exact(tmp_path):
     assert [r["step"] for r in rows(alone)] == [4, 5, 6]
 
 
+def test_a_resume_with_more_steps_trains_on_the_new_schedule_from_its_first_step(tmp_path):
+    """elastic.sh's "go on past the demo's steps": the first resumed step trained at the old
+    schedule's final rate and the second jumped onto the new cosine, silently (an audit)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt import lr_lambda
+
+    base = [str(SCRIPT), *TINY, "--ckpt-dir", str(tmp_path / "ckpt"), "--lr", "1e-3"]
+    run([*torchrun(1), *base, "--steps", "4", "--run-dir", str(tmp_path / "a")], tmp_path)
+    more = ["--steps", "8", "--resume", "auto", "--run-dir", str(tmp_path / "b")]
+    out = run([*torchrun(1), *base, *more], tmp_path)
+    assert "note: --steps 8 differs from the checkpoint's run (4)" in out, out[-2000:]
+    lrs = {r["step"]: r["lr"] for r in rows(tmp_path / "b")}
+    assert sorted(lrs) == [5, 6, 7, 8]
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(1e-3 * lr_lambda(8)(step - 1), rel=1e-9), (step, lrs)
+
+
+def test_auto_is_one_level_for_the_whole_job_and_keeps_the_checkpoint_s(tmp_path):
+    """Nodes of two CPU kinds picked O2 on some and O0 on others (wrap refused, blaming opt
+    levels nobody chose), and a requeue onto another CPU kind could not load its checkpoint (an
+    audit): auto now agrees over the job and keeps the level of the checkpoint it resumes."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    from train_gpt import pick_opt_level
+
+    cpu = torch.device("cpu")
+    assert pick_opt_level("auto", cpu, "auto", 2, bf16_units=True)[0] == "O2"
+    level, why = pick_opt_level("auto", cpu, "auto", 2, bf16_units=False)
+    assert level == "O0" and "sharded" in why
+    for saved, units in (("O2", False), ("O0", True)):
+        level, why = pick_opt_level("auto", cpu, "auto", 2, bf16_units=units, resume_level=saved)
+        assert level == saved and "as the checkpoint resumed from" in why, why
+    assert pick_opt_level("auto", cpu, "auto", 2, bf16_units=True, resume_level="O1") == (
+        "O1",
+        " (auto: the level of the checkpoint resumed from)",
+    )
+    assert pick_opt_level("O1", cpu, "auto", 2, resume_level="O2") == ("O1", "")
+
+
+def _job_units(rank: int, world: int) -> bool:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_gpt
+
+    train_gpt.cpu_has_bf16 = lambda: rank != 1  # rank 1's node has no bf16 units
+    return train_gpt.job_has_bf16()
+
+
+def test_the_job_has_bf16_units_only_where_every_node_has_them():
+    from dist_harness import run_ranks
+
+    assert run_ranks(_job_units, 3) == [False, False, False]
+
+
 def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_path):
     """An audit: --keep sorted every committed step_* by name, so a damaged newer checkpoint, or
     a later step of an earlier run in the same folder, counted among the newest and the fresh

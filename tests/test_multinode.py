@@ -112,3 +112,43 @@ def test_two_hosts_train_and_save_then_one_host_resumes_at_world_size_1(two_host
     recorded = plot.read_run(run_dir)
     assert recorded.steps == list(range(1, 13))
     assert all(loss == loss and loss < 6.0 for loss in recorded.losses)  # finite, learning
+
+
+def test_two_elastic_agents_on_one_machine_meet_over_loopback(tmp_path):
+    """Trying the elastic job out on one machine (two "nodes" at --master 127.0.0.1): with an
+    explicit is_host=1 on both agents the second failed to bind the store and the first waited
+    out the 900 s rendezvous timeout (an audit). No namespaces needed."""
+    run_dir = tmp_path / "run"
+    train = [*TINY, "--steps", "2", "--run-dir", str(run_dir)]
+    launch = ["--nnodes", "2", "--rdzv-id", "loopback", "--master", "127.0.0.1:29591"]
+    procs = []
+    for i in range(2):
+        log = open(tmp_path / f"agent{i}.log", "w+")
+        cmd = ["bash", str(ROOT / "launch" / "multinode.sh"), *launch, "--nproc", "1", "--"]
+        procs.append(
+            (
+                subprocess.Popen(
+                    [*cmd, *train],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=ENV,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    outputs = []
+    try:
+        for proc, log in procs:
+            code = proc.wait(timeout=TIMEOUT_S)
+            log.seek(0)
+            outputs.append(log.read())
+            assert code == 0, outputs[-1][-4000:]
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            log.close()
+    assert sum("done: 2 steps" in out for out in outputs) == 1, outputs
+    assert "world size 2" in "".join(outputs)

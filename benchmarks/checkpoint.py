@@ -3,7 +3,8 @@
     python benchmarks/checkpoint.py [--world 2] [--params 20] [--repeats 3] [--json out.json]
 
 A ~20M-parameter model under O2 (bf16 weights, sharded FP32 masters, AdamW state) after one step.
-Both methods save the same things (FP32 masters, optimizer state, model weights) with fsync:
+Both methods save the same things (FP32 masters, optimizer state, the model's weights in their own
+dtype: bf16 under O2) with fsync:
 
 * distamp: ``save_checkpoint`` (each rank writes its shard through DCP; atomic commit, SHA-256 of
   every file) and ``load_checkpoint`` (verifies the hashes, each rank reads its shard);
@@ -12,7 +13,8 @@ Both methods save the same things (FP32 masters, optimizer state, model weights)
   broadcast the full tensors, each rank keeps its shard.
 
 Save and load are timed on every rank (max over ranks), repeats interleaved, medians reported;
-bytes are what each rank wrote.
+bytes are what each rank wrote. ``--dir DIR`` writes into a new folder inside DIR
+(``distamp-bench-*``) and removes only that folder.
 """
 
 import argparse
@@ -62,6 +64,10 @@ def timed(fn) -> float:
 
 
 def baseline_save(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Collective: the shards of the masters and AdamW state gathered to rank 0, saved there with
+    the model's weights as the model holds them. ``model.state_dict()`` is not what it holds under
+    O2: it reports the bf16 weights as FP32 (apex's convention), which would save the FP32 weights
+    twice (they are the masters) where distamp's checkpoint saves the bf16 ones."""
     masters = opt._distamp.masters
     rank, world = dist.get_rank(), dist.get_world_size()
     tensors = {"master": list(masters.shards)}
@@ -76,7 +82,8 @@ def baseline_save(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> N
             if rank == 0:
                 full[key].append(torch.cat(out))
     if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": full}
+        weights = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+        state = {"model": weights, "optimizer": full}
         with open(path, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -104,7 +111,9 @@ def worker(rank: int, world: int, init: str, root: str, params_m: float, repeats
     model = build(params_m)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    # Sharded at every world size, one rank included (O2 replicates its masters there): the
+    # baseline gathers shards, and the comparison is of sharded checkpoints.
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, shard_master_weights=True)
     one_step(model, opt)
     base = Path(root)
     results: dict[str, list[float]] = {k: [] for k in ("ds", "dl", "bs", "bl")}
@@ -159,21 +168,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temp dir)"
+        "--dir",
+        type=Path,
+        default=None,
+        help="write into a new folder inside DIR, removed at the end (default: a temp dir)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="distamp-bench-") as tmp:
-        root = args.dir or Path(tmp) / "ckpt"
-        root.mkdir(parents=True, exist_ok=True)
-        out = os.path.join(tmp, "summary.json")
-        mp.spawn(
-            worker,
-            args=(args.world, os.path.join(tmp, "rdzv"), str(root), args.params, args.repeats, out),
-            nprocs=args.world,
-        )
+        if args.dir is None:
+            root = Path(tmp) / "ckpt"
+            root.mkdir()
+        else:  # a folder of its own inside the user's: the user's files are never touched
+            args.dir.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(dir=args.dir, prefix="distamp-bench-"))
+        out, rdzv = os.path.join(tmp, "summary.json"), os.path.join(tmp, "rdzv")
+        try:
+            mp.spawn(
+                worker,
+                args=(args.world, rdzv, str(root), args.params, args.repeats, out),
+                nprocs=args.world,
+            )
+        finally:
+            if args.dir is not None:
+                shutil.rmtree(root)
         summary = json.loads(Path(out).read_text())
-        if args.dir is not None:
-            shutil.rmtree(root)
     mb = 1e6
     d, b = summary["distamp"], summary["baseline"]
     print(

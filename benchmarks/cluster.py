@@ -71,10 +71,20 @@ def _tc(netns: str, *args: str) -> None:
         raise ClusterUnavailable(f"tc {' '.join(args)} failed in {netns}: {done.stderr.strip()}")
 
 
-def _remove(name: str) -> None:
+def _kill_all(name: str) -> None:
     for pid in _ip("netns", "pids", name, check=False).stdout.split():
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def kill_inside(node: Node) -> None:
+    """Kill every process running in ``node``'s namespace, whatever session or process group it
+    is in (torchrun starts each rank in a session of its own): what one attempt left behind."""
+    _kill_all(node.netns)
+
+
+def _remove(name: str) -> None:
+    _kill_all(name)
     _ip("netns", "del", name, check=False)
 
 

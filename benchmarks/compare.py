@@ -21,15 +21,20 @@ Every configuration trains examples/train_gpt.py's GPT on the same data for the 
 own; rounds alternate the order of the configurations so machine drift favours none. The table:
 median step time and its spread, speed-up over FP32 DDP, tokens/s, achieved FLOP/s (6 x params x
 tokens) as a fraction of the bf16 matmul peak measured in the same run, peak RSS and optimizer
-state (+ FP32 masters) per rank, gradient bytes each rank puts on the wire per step, first and
-final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the "floor" row
-(each rank, no communication, forward+backward and the optimizer over 1/N of the parameters), the
-wire floor the bytes of a 16-bit ring all-reduce of the gradients over the link rate (emulated
-cluster only). On the emulated cluster two more rows measure what gloo and the link make of that
+state (+ FP32 masters) per rank, the gradients' volume at the wire dtype ("grad MB on wire/step":
+parameters x bytes of the dtype the row reduces in; not the bytes each rank sends, which depend on
+the collective: a ring all-reduce sends 2 (N-1)/N of it, ``--phases`` measures what was sent),
+first and final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the
+"floor" row (each rank, no communication, forward+backward and the optimizer over 1/N of the
+parameters' elements, :func:`split_by_size`), the wire floor the bytes of a 16-bit ring
+all-reduce of the gradients over the link rate (emulated cluster only). On the emulated cluster two more rows measure what gloo and the link make of that
 floor: the bytes a 16-bit step moves, moved alone (no compute, no optimizer) — one all-reduce per
-DDP bucket, or distamp's all-to-all per bucket and all-gather per block. ``--phases`` adds a second table: each step of rank 0 split into forward, backward,
-step and the rest, and how busy the link is in each (benchmarks/phases.py). Results go to
-``--out-dir`` as JSON and Markdown.
+DDP bucket, or distamp's all-to-all per bucket and all-gather per block. ``--phases`` adds a
+second table: each step of rank 0 split into forward, backward, step and the rest, and how busy
+the link is in each (benchmarks/phases.py). A row that raises reports its exception (not retried:
+it would raise again); a world that crashes or hangs past ``--timeout`` is run once more; rounds
+that failed are left out of the row and counted in its note. Results go to ``--out-dir`` as JSON
+and Markdown.
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ import json
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_gpt import GPT, SIZES, GPTConfig, RandomWindows, load_stdlib_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import cluster, rate_bits_per_s
+from cluster import cluster, kill_inside, rate_bits_per_s
 from phases import Phases
 from phases import markdown as phases_markdown
 
@@ -146,9 +154,9 @@ def _held(opt: Any) -> int:
 def setup(
     config: str, model: nn.Module, opts: dict[str, Any], device: torch.device, world: int, rank: int
 ):
-    """(step function, optimizer, gradient bytes per parameter on the wire). Every row builds the
-    same AdamW (``--adamw``: torch's default implementation, foreach or fused) and every DDP row
-    the same buckets (``--bucket-mb``)."""
+    """(step function, optimizer, bytes per gradient element at the wire dtype: 4 FP32, 2 a 16-bit
+    reduction, 0 none). Every row builds the same AdamW (``--adamw``: torch's default
+    implementation, foreach or fused) and every DDP row the same buckets (``--bucket-mb``)."""
     lr = opts["lr"]
     impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[opts["adamw"]]
     adamw = functools.partial(torch.optim.AdamW, lr=lr, **impl)
@@ -274,10 +282,24 @@ def setup(
     if config.startswith("floor"):
         if "pure" in config:
             model.to(dtype)
-        params = list(model.parameters())
-        opt = adamw(params[rank::world])
+        opt = adamw(split_by_size(list(model.parameters()), world)[rank])
         return plain_step(model, opt, "autocast" in config), opt, 0
     raise ValueError(f"unknown configuration {config!r}")
+
+
+def split_by_size(params: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
+    """``params`` dealt to ``world`` ranks so that each rank steps ~1/N of the elements (the floor
+    rows' optimizer "over 1/N of the parameters"): largest first, each onto the rank holding the
+    fewest elements so far (ties: the lowest rank), so every rank computes the same split. A
+    strided split (``params[rank::world]``) is not one: weights and biases alternate in a model's
+    parameters, so at 2 ranks rank 0 stepped every weight, ~99% of the elements."""
+    shares: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    sizes = [0] * world
+    for p in sorted(params, key=lambda p: -p.numel()):  # stable: equal sizes keep their order
+        rank = sizes.index(min(sizes))
+        shares[rank].append(p)
+        sizes[rank] += p.numel()
+    return shares
 
 
 def wire_alone(
@@ -320,6 +342,67 @@ def wire_alone(
     return step
 
 
+def train(
+    step: Step,
+    opt: Any,
+    model: nn.Module,
+    config: str,
+    opts: dict[str, Any],
+    device: torch.device,
+    rank: int,
+) -> dict[str, Any]:
+    """Collective over the world: one row's warm-up and timed steps on this rank; its times,
+    losses, peak RSS, the state it holds and, with ``--phases``, its phases."""
+    result: dict[str, Any] = {}
+    data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
+    times, losses = [], []
+    phases = None
+    if opts.get("phases") and opt is not None:
+        phases = Phases(model, opt, os.environ.get("GLOO_SOCKET_IFNAME"))
+    # [Note: steps timed back to back] One barrier before the timed steps, none between them:
+    # a step's time runs from the end of the previous one to its own end (its batch included),
+    # so work a configuration defers past step() (an all-gather still in flight, waited for
+    # in the next forward) is counted in the step that waits for it. A barrier per step would
+    # wait for that work outside the timed window.
+    profiler = None
+    if opts.get("profile") and rank == 0:  # torch.profiler over rank 0's timed steps
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    start = time.perf_counter()
+    for i in range(opts["warmup"] + opts["steps"]):
+        if i == opts["warmup"]:
+            dist.barrier()
+            if profiler is not None:
+                profiler.start()
+            start = time.perf_counter()
+        timed = i >= opts["warmup"]
+        if phases is not None and timed:
+            phases.begin()
+        x, y = data.batch(opts["batch"], device, i)
+        loss = step(x, y)
+        losses.append(float(loss))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        if phases is not None and timed:
+            phases.end()
+        if timed:
+            times.append(end - start)
+        start = end
+    if phases is not None:
+        phases.stop()
+        result["phases"] = phases.summary(opts.get("link_bits"))
+    if profiler is not None:
+        profiler.stop()
+        write_profile(profiler, Path(opts["profile"]), config, opts["steps"])
+    return result | {
+        "times": times,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "held_bytes": _held(opt),
+    }
+
+
 def worker(
     rank: int, world: int, rdzv: str | None, config: str, opts: dict[str, Any], out: str
 ) -> None:
@@ -344,61 +427,20 @@ def worker(
     result: dict[str, Any] = {"config": config, "params": n_params}
     try:
         step, opt, wire = setup(config, model, opts, device, world, rank)
+        result |= train(step, opt, model, config, opts, device, rank)
+        result["wire_bytes"] = wire * n_params
     except ImportError as exc:
         result["skipped"] = f"{type(exc).__name__}: {exc} (pip install -e '.[bench]')"
-        step = None
     except NotImplementedError as exc:
         result["skipped"] = str(exc)
-        step = None
-    if step is not None:
-        data = RandomWindows(load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank)
-        times, losses = [], []
-        phases = None
-        if opts.get("phases") and opt is not None:
-            phases = Phases(model, opt, os.environ.get("GLOO_SOCKET_IFNAME"))
-        # [Note: steps timed back to back] One barrier before the timed steps, none between them:
-        # a step's time runs from the end of the previous one to its own end (its batch included),
-        # so work a configuration defers past step() (an all-gather still in flight, waited for
-        # in the next forward) is counted in the step that waits for it. A barrier per step would
-        # wait for that work outside the timed window.
-        profiler = None
-        if opts.get("profile") and rank == 0:  # torch.profiler over rank 0's timed steps
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        start = time.perf_counter()
-        for i in range(opts["warmup"] + opts["steps"]):
-            if i == opts["warmup"]:
-                dist.barrier()
-                if profiler is not None:
-                    profiler.start()
-                start = time.perf_counter()
-            timed = i >= opts["warmup"]
-            if phases is not None and timed:
-                phases.begin()
-            x, y = data.batch(opts["batch"], device, i)
-            loss = step(x, y)
-            losses.append(float(loss))
-            if use_cuda:
-                torch.cuda.synchronize()
-            end = time.perf_counter()
-            if phases is not None and timed:
-                phases.end()
-            if timed:
-                times.append(end - start)
-            start = end
-        if phases is not None:
-            phases.stop()
-            result["phases"] = phases.summary(opts.get("link_bits"))
-        if profiler is not None:
-            profiler.stop()
-            write_profile(profiler, Path(opts["profile"]), config, opts["steps"])
-        result |= {
-            "times": times,
-            "first_loss": losses[0],
-            "final_loss": losses[-1],
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "held_bytes": _held(opt),
-            "wire_bytes": wire * n_params,
-        }
+    except Exception as exc:
+        # [Note: a row's exception is its result] Reported in the gathered results, the row says
+        # why it failed (a crashed world says only its exit codes), and it is not run again: an
+        # exception raised on every rank would be raised again. One raised on some ranks only
+        # leaves the others waiting in a collective: the world hangs and is retried as a hang.
+        traceback.print_exc()
+        message = str(exc).strip().splitlines()
+        result["error"] = type(exc).__name__ + (f": {message[0]}" if message else "")
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -436,9 +478,10 @@ def write_profile(profiler: Any, directory: Path, config: str, steps: int) -> No
 
 
 def run_world(fn: Any, world: int, config: str, opts: dict[str, Any], prefix: str) -> Any:
-    """Spawn ``world`` ranks of ``fn`` and return rank 0's gathered results. A world that fails
+    """Spawn ``world`` ranks of ``fn`` and return rank 0's gathered results. A world that crashes
     or hangs past the deadline (seen rarely with gloo between spawns) is killed and run again
-    once; a second failure becomes a "failed" row instead of stopping the comparison."""
+    once; a second failure becomes a failed round instead of stopping the comparison (an exception
+    the ranks report is a result, not a failure: see [Note: a row's exception is its result])."""
     ctx = mp.get_context("spawn")
     error = ""
     for attempt in range(2):
@@ -446,26 +489,33 @@ def run_world(fn: Any, world: int, config: str, opts: dict[str, Any], prefix: st
         procs = [
             ctx.Process(target=fn, args=(r, world, rdzv, config, opts, out)) for r in range(world)
         ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + opts["timeout"]
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + opts["timeout"]
+            for p in procs:
+                p.join(max(1.0, deadline - time.monotonic()))
+            hung = [p for p in procs if p.is_alive()]
+        finally:  # also when the comparison itself is stopped (SIGINT, SIGTERM)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         if not hung and all(p.exitcode == 0 for p in procs) and os.path.exists(out):
             return json.loads(Path(out).read_text())
-        error = "hung" if hung else f"exit codes {[p.exitcode for p in procs]}"
+        if hung:
+            error = f"hung past {opts['timeout']:.0f} s (--timeout)"
+        else:
+            error = f"exit codes {[p.exitcode for p in procs]}"
         print(f"{config}: attempt {attempt + 1} failed ({error})", flush=True)
-    return [{"config": config, "skipped": f"failed twice ({error})"}]
+    return [{"config": config, "error": f"failed twice ({error})"}]
 
 
 def run_cluster(nodes: list[Any], world: int, config: str, opts: dict[str, Any], prefix: str):
     """``world`` ranks of one configuration over the emulated cluster's ``nodes``: a torchrun
     agent per node (static rendezvous on node 0), gloo on the node's shaped link. Rank 0's
-    gathered results; a failure or hang is retried once, then becomes a "failed" row."""
+    gathered results; a crash or hang is retried once, then becomes a failed round. A failed or
+    hung attempt is killed whole: see [Note: stopping an agent and its ranks]."""
     per_node = world // len(nodes)
     opts_file = f"{prefix}.opts.json"
     Path(opts_file).write_text(json.dumps(opts))
@@ -473,7 +523,9 @@ def run_cluster(nodes: list[Any], world: int, config: str, opts: dict[str, Any],
     for attempt in range(2):
         out = f"{prefix}-{attempt}.json"
         port = str(29400 + (os.getpid() + attempt) % 500)
-        procs = []
+        cmds: list[tuple[list[str], dict[str, str], str]] = []
+        agents: list[subprocess.Popen[bytes]] = []
+        logs: list[Any] = []
         for i, node in enumerate(nodes):
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.iface, "OMP_NUM_THREADS": "1"}
             cmd = [
@@ -494,72 +546,129 @@ def run_cluster(nodes: list[Any], world: int, config: str, opts: dict[str, Any],
                 "--result",
                 out,
             ]
-            log = open(f"{prefix}-{attempt}-node{i}.log", "w")
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
-        deadline = time.monotonic() + opts["timeout"]
-        codes = []
-        for proc, log in procs:
-            try:
-                codes.append(proc.wait(max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes.append(proc.wait())
-            log.close()
-        if all(c == 0 for c in codes) and os.path.exists(out):
+            cmds.append((cmd, env, f"{prefix}-{attempt}-node{i}.log"))
+        hung, clean = False, False
+        try:
+            for cmd, env, path in cmds:
+                log = open(path, "w")
+                logs.append(log)
+                # [Note: stopping an agent and its ranks] Each agent leads a session of its own,
+                # so its process group can be killed whole; torchrun starts every rank in a
+                # session of its own too, so the ranks are then killed by their node (every
+                # process in its network namespace). Killing the agent alone orphaned its ranks
+                # beside the next attempt and the next rows.
+                agent = subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=log, start_new_session=True
+                )
+                agents.append(agent)
+            deadline = time.monotonic() + opts["timeout"]
+            for agent in agents:
+                try:
+                    agent.wait(max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    hung = True
+                    break
+            clean = not hung and all(a.returncode == 0 for a in agents)
+        finally:  # also when the comparison itself is stopped (SIGINT, SIGTERM)
+            if not clean:
+                for agent in agents:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+                for node in nodes:
+                    kill_inside(node)
+            for log in logs:
+                log.close()
+        if clean and os.path.exists(out):
             return json.loads(Path(out).read_text())
-        tail = Path(f"{prefix}-{attempt}-node0.log").read_text()[-400:]
-        error = f"exit codes {codes}: {tail}"
+        if hung:
+            error = f"hung past {opts['timeout']:.0f} s (--timeout)"
+        else:
+            said = [s for s in Path(cmds[0][2]).read_text().splitlines() if s.strip(" =")]
+            error = f"exit codes {[a.returncode for a in agents]}"
+            error += f": {said[-1].strip()[-200:]}" if said else ""
         print(f"{config}: attempt {attempt + 1} failed ({error})", flush=True)
-    return [{"config": config, "skipped": f"failed twice ({error.splitlines()[0]})"}]
+    return [{"config": config, "error": f"failed twice ({error})"}]
+
+
+def why_failed(run: list[dict[str, Any]]) -> str | None:
+    """Why one round of a row has no times, or None: it has them. A rank's exception names the
+    rank (it may be one rank's only); a skip (an optional extra missing) is every rank's."""
+    for rank, r in enumerate(run):
+        if "times" in r:
+            continue
+        if "skipped" in r:
+            return r["skipped"]
+        return f"{r['error']} (rank {rank})" if len(run) > 1 else r["error"]
+    return None
 
 
 def summarize(config: str, rounds: list[list[dict[str, Any]]], opts: dict[str, Any], peak: float):
-    first = rounds[0][0]
-    if "skipped" in first:
-        return {"config": config, "skipped": first["skipped"]}
-    times = [t for run in rounds for t in run[0]["times"]]
+    """A configuration's row from the rounds that ran: a round that failed (in any round, on any
+    rank) is left out and counted in the row's ``note``; the row is skipped, with the reasons,
+    only when every round failed."""
+    done = [run for run in rounds if why_failed(run) is None]
+    reasons = list(dict.fromkeys(r for r in map(why_failed, rounds) if r is not None))
+    if not done:
+        return {"config": config, "skipped": "; ".join(reasons)}
+    first = done[0][0]
+    times = [t for run in done for t in run[0]["times"]]
     median = statistics.median(times)
     tokens = opts["batch"] * opts["seq"] * opts["world"]
     flops_per_rank = 6 * first["params"] * opts["batch"] * opts["seq"]
+    note: dict[str, str] = {}
+    if len(done) < len(rounds):
+        failed = len(rounds) - len(done)
+        note["note"] = f"{failed} of {len(rounds)} rounds failed: {'; '.join(reasons)}"
     return {
         "config": config,
         "median_s": median,
         "spread_s": statistics.pstdev(times) if len(times) > 1 else 0.0,
         "tokens_per_s": tokens / median,
         "peak_fraction": flops_per_rank / median / 1e9 / peak,
-        "peak_rss_mb": max(r["peak_rss"] for run in rounds for r in run) / 1e6,
-        "held_mb": max(r["held_bytes"] for run in rounds for r in run) / 1e6,
+        "peak_rss_mb": max(r["peak_rss"] for run in done for r in run) / 1e6,
+        "held_mb": max(r["held_bytes"] for run in done for r in run) / 1e6,
         "wire_mb": first["wire_bytes"] / 1e6,
-        "first_loss": statistics.fmean(r["first_loss"] for r in rounds[-1]),
-        "final_loss": statistics.fmean(r["final_loss"] for r in rounds[-1]),
-        **({"phases": rounds[-1][0]["phases"]} if "phases" in rounds[-1][0] else {}),
+        "first_loss": statistics.fmean(r["first_loss"] for r in done[-1]),
+        "final_loss": statistics.fmean(r["final_loss"] for r in done[-1]),
+        **({"phases": done[-1][0]["phases"]} if "phases" in done[-1][0] else {}),
+        **note,
     }
 
 
 def floors(
     rows: list[dict[str, Any]], params: int, nodes: int, link_bits: float | None
-) -> dict[str, float]:
-    """The compute floor (the fastest "floor" row), the wire floor (a 16-bit ring all-reduce of
-    the gradients between ``nodes`` over the link: 2 (N-1)/N x 2 bytes x params) and their max."""
+) -> dict[str, Any]:
+    """The compute floor (the fastest "floor" row; None without one), the wire floor (a 16-bit
+    ring all-reduce of the gradients between ``nodes`` over the link: 2 (N-1)/N x 2 bytes x
+    params; 0 on loopback) and their max (0: neither)."""
     compute = min(
         (r["median_s"] for r in rows if r["config"].startswith("floor") and "median_s" in r),
-        default=0.0,
+        default=None,
     )
     wire = 0.0
     if link_bits and nodes > 1:
         wire = 2 * (nodes - 1) / nodes * 2 * params * 8 / link_bits
-    return {"compute_s": compute, "wire_s": wire, "floor_s": max(compute, wire)}
+    return {"compute_s": compute, "wire_s": wire, "floor_s": max(compute or 0.0, wire)}
 
 
-def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, float]) -> str:
+def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, Any]) -> str:
+    """The table, with the floor above it and each row's note (rounds that failed) below it."""
     base = next(
         (r["median_s"] for r in rows if r["config"] == "FP32 DDP" and "median_s" in r), None
     )
+    if floor["compute_s"] is None:
+        wire = f"; wire floor {floor['wire_s']:.3f} s" if floor["wire_s"] else ""
+        said = f"Floor: no floor row (the compute floor was not measured){wire}."
+    else:
+        said = (
+            f"Floor: {floor['floor_s']:.3f} s = max(compute floor {floor['compute_s']:.3f} s, "
+            f"wire floor {floor['wire_s']:.3f} s)."
+        )
     lines = [
         header,
         "",
-        f"Floor: {floor['floor_s']:.3f} s = max(compute floor {floor['compute_s']:.3f} s, wire "
-        f"floor {floor['wire_s']:.3f} s).",
+        said,
         "",
         "| configuration | median step s | spread s | vs FP32 DDP | vs floor | tokens/s | of peak | "
         "peak RSS/rank MB | opt state+masters/rank MB | grad MB on wire/step | loss first -> final |",
@@ -579,6 +688,14 @@ def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, float]) -
             f"{rate} | {r['peak_rss_mb']:.0f} | "
             f"{r['held_mb']:.1f} | {r['wire_mb']:.1f} | {loss} |"
         )
+    lines += [
+        "",
+        '"grad MB on wire/step": the gradients at the wire dtype (parameters x its bytes), not '
+        "the bytes each rank sends.",
+    ]
+    notes = [f"- {r['config']}: {r['note']}" for r in rows if "note" in r]
+    if notes:
+        lines += ["", "Rounds left out:", "", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -605,14 +722,18 @@ def choose_compute(choice: str, seconds: float) -> tuple[str, str, float]:
     return choice, f"{measured} ({why})", bf16 if choice == "bf16" else fp32
 
 
-def plot(rows: list[dict[str, Any]], path: Path, floor: dict[str, float]) -> str:
+def plot(rows: list[dict[str, Any]], path: Path, floor: dict[str, Any]) -> str:
+    """A bar per row that ran; the rows that did not are named under the bars and in the line
+    returned (a chart without them would read as a comparison they lost no part in)."""
+    left_out = [r["config"] for r in rows if "median_s" not in r]
+    missing = f"; not plotted (failed or skipped): {', '.join(left_out)}" if left_out else ""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+        return f"no plot: matplotlib is not installed (pip install -e '.[bench]'){missing}"
     done = [r for r in rows if "median_s" in r]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(done) + 1))
     ax.barh(
@@ -624,13 +745,49 @@ def plot(rows: list[dict[str, Any]], path: Path, floor: dict[str, float]) -> str
     if floor["floor_s"]:
         ax.axvline(floor["floor_s"], color="tab:red", linestyle="--")
         ax.text(floor["floor_s"], -0.6, f" floor {floor['floor_s']:.3f} s", color="tab:red")
-    ax.set_xlabel("median step time (s), lower is better")
+    xlabel = "median step time (s), lower is better"
+    if left_out:
+        xlabel += "\n" + textwrap.fill(
+            f"not plotted (failed or skipped): {', '.join(left_out)}", 110
+        )
+    ax.set_xlabel(xlabel)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+    return f"plot: {path}{missing}"
 
 
-def main() -> None:
+DEFAULTS: dict[str, Any] = {
+    "size": "bench",
+    "seq": 128,
+    "steps": 8,
+    "warmup": 2,
+    "rounds": 2,
+    "lr": 1e-3,
+}
+"""What a flag left out means (its help's "default:") where neither the workload nor ``--quick``
+sets it; the batch is the workload's."""
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "w0": {"size": "micro", "seq": 16, "batch": 1},  # compute next to nothing: the host work left
+    "w1": {"batch": 8},
+    "w2": {"batch": 1},
+}
+"""What each ``--workload`` sets, for the flags not given."""
+QUICK: dict[str, Any] = {
+    "size": "tiny",
+    "seq": 32,
+    "batch": 2,
+    "steps": 3,
+    "warmup": 1,
+    "rounds": 1,
+    "lr": 3e-3,
+}
+"""What ``--quick`` sets (over the workload's), for the flags not given: a flag given always
+wins."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with every flag left out filled from ``--quick``, the workload or the
+    defaults (in that order), and checked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--workload",
@@ -640,17 +797,21 @@ def main() -> None:
         "parameters at width 32, batch 1x16 (host-bound: each row's per-step Python, kernel "
         "launches and syncs, what a launch-bound GPU run pays) (default: w1)",
     )
-    parser.add_argument("--size", choices=sorted(SIZES), default="bench", help="(default: bench)")
-    parser.add_argument("--seq", type=int, default=128, help="(default: 128)")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="(default: bench; w0: micro)"
+    )
+    parser.add_argument("--seq", type=int, default=None, help="(default: 128; w0: 16)")
     parser.add_argument(
         "--batch", type=int, default=None, help="sequences per rank (default: w1 8, w2 1)"
     )
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per round (default: 8)")
-    parser.add_argument("--warmup", type=int, default=2, help="(default: 2)")
-    parser.add_argument("--rounds", type=int, default=2, help="(default: 2)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per round (default: 8)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="(default: 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="(default: 2)")
     parser.add_argument("--world", type=int, default=2, help="ranks in all (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads/rank (default: 1)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="(default: 1e-3)")
+    parser.add_argument("--lr", type=float, default=None, help="(default: 1e-3)")
     parser.add_argument(
         "--bucket-mb",
         type=float,
@@ -676,7 +837,12 @@ def main() -> None:
         "--link", default="1gbit", help="each node's link rate with --nodes (default: 1gbit)"
     )
     parser.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: size tiny, seq 32, batch 2, 3 steps, 1 warm-up, 1 round, lr 3e-3, for "
+        "each of these flags not given",
+    )
     parser.add_argument("--plot", action="store_true")
     parser.add_argument(
         "--phases",
@@ -695,20 +861,45 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank, under torchrun
     parser.add_argument("--opts-file", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return args
+    for key, value in {
+        **DEFAULTS,
+        **WORKLOADS[args.workload],
+        **(QUICK if args.quick else {}),
+    }.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for flag, least in (("rounds", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag}: expected at least {least}, got {getattr(args, flag)}")
+    if args.nodes and args.world % args.nodes:
+        parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
+    unknown = [c for c in args.only or () if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
+    return args
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         opts = json.loads(Path(args.opts_file).read_text())
         worker(rank, world, None, args.worker, opts, args.result)
         return
-    batch = args.batch or (8 if args.workload == "w1" else 1)
-    if args.workload == "w0":  # compute next to nothing: what is left is each row's host work
-        args.size, args.seq = "micro", 16
-    if args.quick:
-        args.size, args.seq, args.steps, args.warmup, args.rounds = "tiny", 32, 3, 1, 1
-        batch, args.lr = 2, 3e-3
-    if args.nodes and args.world % args.nodes:
-        parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
+    # [Note: a signal runs the cleanup] SIGTERM (timeout, kill, a CI's cancel) and SIGHUP end the
+    # process without unwinding: the emulated cluster's namespaces, its ranks and the temporary
+    # directory stayed behind. Raised as SystemExit, the finally blocks and context managers run
+    # as they do for Ctrl-C. A signal ignored when the comparison started (nohup) stays ignored.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _exit_on_signal)
     link_bits = rate_bits_per_s(args.link) if args.nodes else None
     torch.set_num_threads(args.threads)
     compute, why, peak = choose_compute(args.compute, 0.2 if args.quick else 1.0)
@@ -716,13 +907,10 @@ def main() -> None:
         *(BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS),
         *(WIRE_CONFIGS if args.nodes else []),
     ]
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
     opts = {
         "size": args.size,
         "seq": args.seq,
-        "batch": batch,
+        "batch": args.batch,
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
@@ -752,7 +940,10 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: {config} done", flush=True)
     rows = [summarize(c, runs[c], opts, peak) for c in configs]
     device = "CUDA/NCCL" if torch.cuda.is_available() else "CPU/gloo"
-    params = next((run[0][0]["params"] for run in runs.values() if "params" in run[0][0]), 0)
+    with torch.device("meta"):  # the ranks' model, counted here: whether or not a row ran
+        params = sum(
+            p.numel() for p in GPT(GPTConfig(block_size=args.seq, **SIZES[args.size])).parameters()
+        )
     floor = floors(rows, params, args.nodes, link_bits)
     where = (
         f"{args.nodes} emulated nodes, each link {args.link} both ways"
@@ -761,7 +952,7 @@ def main() -> None:
     )
     header = (
         f"GPT {args.size} ({params / 1e6:.1f}M params), workload {args.workload}: "
-        f"batch {batch}x{args.seq} per rank, {args.world} ranks ({device}, {where}, "
+        f"batch {args.batch}x{args.seq} per rank, {args.world} ranks ({device}, {where}, "
         f"{args.threads} thread(s)/rank), {args.steps} steps x {args.rounds} rounds, "
         f'{datetime.date.today()}. Compute: {compute} — {why}; "of peak" is against that '
         f"matmul rate, measured in this run."

@@ -15,8 +15,8 @@ ends. The phases between the marks:
 On an emulated cluster (``--nodes``) a thread samples this rank's byte counters of its link
 (``/proc/self/net/dev``, the interface gloo is bound to) every millisecond; each phase's bytes sent
 divided by what the link could have sent in that time says how busy the wire was in it. A
-configuration whose optimizer has no torch step hooks (DeepSpeed's) gets ``forward`` and the rest
-as one phase.
+configuration whose optimizer has no torch step hooks (DeepSpeed's) has no ``step`` phase: its
+step (and its ``zero_grad``) is counted in ``backward``; the table prints "-" for it, not 0.
 """
 
 from __future__ import annotations
@@ -52,9 +52,13 @@ class Phases:
         self._marks: list[tuple[str, float]] = []
         model.register_forward_pre_hook(lambda *_: self.mark("forward"))
         model.register_forward_hook(lambda *_: self.mark("backward"))
+        self.phases = PHASES
+        """The phases measured: without step hooks, ``step`` is not (it is counted in backward)."""
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer.register_step_pre_hook(lambda *_: self.mark("step"))
             optimizer.register_step_post_hook(lambda *_: self.mark("other"))
+        else:
+            self.phases = tuple(p for p in PHASES if p != "step")
         self.iface = iface
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
@@ -101,8 +105,9 @@ class Phases:
         return b0 + (b1 - b0) * (t - t0) / (t1 - t0)
 
     def summary(self, link_bits: float | None) -> dict[str, Any]:
-        """Per phase: median seconds per step and, with a link, the link's busy fraction in it
-        (bytes sent / (line rate x the phase's time), over all timed steps) and MB sent/step."""
+        """Per phase measured: median seconds per step and, with a link, the link's busy fraction
+        in it (bytes sent / (line rate x the phase's time), over all timed steps) and MB sent/step.
+        A phase not measured (``step`` without step hooks) has no entries."""
         seconds: dict[str, list[float]] = {p: [] for p in PHASES}
         sent: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         for marks in self.steps:
@@ -115,10 +120,12 @@ class Phases:
             for p in PHASES:
                 seconds[p].append(per[p])
                 sent[p] += sent_step[p]
-        out: dict[str, Any] = {p: statistics.median(v) if v else 0.0 for p, v in seconds.items()}
+        out: dict[str, Any] = {
+            p: statistics.median(v) if v else 0.0 for p, v in seconds.items() if p in self.phases
+        }
         n = len(self.steps)
         if self.samples and link_bits and n:
-            for p in PHASES:
+            for p in self.phases:
                 total_s = sum(seconds[p])
                 out[f"{p}_busy"] = sent[p] * 8 / (link_bits * total_s) if total_s else 0.0
             out["sent_mb"] = sum(sent.values()) / n / 1e6
@@ -128,7 +135,8 @@ class Phases:
 
 
 def markdown(rows: list[tuple[str, dict[str, Any]]], link: str | None) -> str:
-    """The phases table: one row per configuration (rank 0's medians)."""
+    """The phases table: one row per configuration (rank 0's medians); "-" where a phase was not
+    measured separately, said in a footnote."""
     head = ["configuration", *(f"{p} ms" for p in PHASES)]
     if link:
         head += [f"link busy in {p}" for p in PHASES] + ["link busy, whole step", "MB sent/step"]
@@ -137,10 +145,16 @@ def markdown(rows: list[tuple[str, dict[str, Any]]], link: str | None) -> str:
         "|" + "---|" * len(head),
     ]
     for config, s in rows:
-        cells = [f"{s[p] * 1e3:.0f}" for p in PHASES]
+        cells = [f"{s[p] * 1e3:.0f}" if p in s else "-" for p in PHASES]
         if link:
             cells += [f"{s[f'{p}_busy']:.0%}" if f"{p}_busy" in s else "-" for p in PHASES]
             cells += [f"{s['busy']:.0%}" if "busy" in s else "-"]
             cells += [f"{s['sent_mb']:.1f}" if "sent_mb" in s else "-"]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    if any(p not in s for _, s in rows for p in PHASES):
+        lines += [
+            "",
+            '"-": not measured separately: an optimizer without torch step hooks (DeepSpeed\'s) has '
+            "its step counted in backward.",
+        ]
     return "\n".join(lines) + "\n"

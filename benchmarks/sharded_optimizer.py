@@ -8,7 +8,7 @@ state) and the growth of the process's resident memory (RSS) from just before th
 step to just after it, against the ZeRO-1 formula 12 bytes/param / N for Adam (4 master + 8 state).
 Time: all configurations in one world, steps interleaved so drift favours none; median step time.
 Also times the two gradient paths on this backend: all_reduce of the bf16 gradients vs
-reduce_scatter into 1/N (see [Note: gradient path] in distamp/shard.py).
+reduce_scatter into 1/N (see [Note: gradient path] in distamp/masters/sharded.py).
 """
 
 import argparse

@@ -16,7 +16,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import BF16_CONFIGS, FP32_CONFIGS, WIRE_CONFIGS  # noqa: E402
+from compare import (  # noqa: E402
+    BF16_CONFIGS,
+    FP32_CONFIGS,
+    GPT,
+    SIZES,
+    WIRE_CONFIGS,
+    GPTConfig,
+    floors,
+    markdown,
+    parse_args,
+    split_by_size,
+    summarize,
+)
 
 
 def can_build_a_cluster() -> bool:
@@ -72,6 +84,9 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     for name in rows:
         if name.startswith("distamp O0 sharded"):
             assert rows[name]["held_mb"] < 0.8 * rows["distamp O0 + hook"]["held_mb"], name
+    # The floor steps AdamW over 1/N of the parameters: half of FP32 DDP's state at 2 ranks.
+    floor_row = rows["floor: FP32, no communication"]
+    assert floor_row["held_mb"] == pytest.approx(rows["FP32 DDP"]["held_mb"] / 2, rel=0.05)
     floor = summary["floor"]
     assert floor["floor_s"] == max(floor["compute_s"], floor["wire_s"]) > 0
     assert (floor["wire_s"] > 0) is cluster
@@ -84,9 +99,12 @@ def test_quick_compare_trains_every_row_and_reports_the_floor(tmp_path):
     for row in timed:
         ph = row["phases"]
         assert ph["forward"] > 0 and ph["backward"] > 0, row["config"]
-        if not row["config"].startswith("DeepSpeed"):  # its optimizer has no torch step hooks
+        if row["config"].startswith("DeepSpeed"):  # no torch step hooks: step is in backward
+            assert "step" not in ph, row["config"]
+        else:
             assert ph["step"] > 0, row["config"]
-        assert sum(ph[p] for p in ("other", "forward", "backward", "step")) <= 1.5 * row["median_s"]
+        phases = ("other", "forward", "backward", "step")
+        assert sum(ph.get(p, 0.0) for p in phases) <= 1.5 * row["median_s"]
         if cluster:  # bytes sent on the link: none without communication
             assert (ph["sent_mb"] > 0.1) is (not row["config"].startswith("floor")), row
             assert 0 <= ph["busy"] <= 1.2, row
@@ -120,6 +138,7 @@ def test_phases_split_each_step_and_measure_the_link_against_its_rate():
     each phase over what the link could send in it is how busy the link was."""
     import torch
     from phases import Phases
+    from phases import markdown as phases_markdown
 
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -142,6 +161,15 @@ def test_phases_split_each_step_and_measure_the_link_against_its_rate():
     assert s["forward_busy"] == pytest.approx(1.0) and s["other_busy"] == pytest.approx(1.0)
     assert s["backward_busy"] == pytest.approx(0.5) and s["step_busy"] == pytest.approx(0.5)
     assert s["sent_mb"] == pytest.approx(93.75) and s["busy"] == pytest.approx(0.75)
+    # An optimizer without torch step hooks (DeepSpeed's): its step is counted in backward, and
+    # the table says "-" for it, not 0 ms.
+    unhooked = Phases(model, object(), None)
+    unhooked.steps = [[("other", 0.0), ("forward", 0.25), ("backward", 0.5), ("end", 1.0)]]
+    s = unhooked.summary(None)
+    assert "step" not in s and s["backward"] == pytest.approx(0.5)
+    table = phases_markdown([("DeepSpeed", s)], "1gbit")
+    assert "| DeepSpeed | 250 | 250 | 500 | - | - | - | - | - | - | - |" in table
+    assert "not measured separately" in table
 
 
 def test_memory_table_accounts_for_what_each_row_holds():
@@ -189,3 +217,66 @@ def test_profile_writes_rank_0s_trace_and_op_table(tmp_path):
     }
     assert ops["aten::mm"] > 0 and ops["aten::addmm"] > 0  # forward and backward matmuls
     assert "distamp's waits for the wire (ms per step):" in table
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_floor_rows_step_one_nth_of_the_elements_on_every_rank(world):
+    """The floor's optimizer runs over 1/N of the parameters' elements on every rank (within 5% of
+    total/N on the tiny GPT), each parameter on exactly one rank, the same split on every rank. A
+    strided split of the parameter list gave rank 0 every weight (~99% at 2 ranks)."""
+    params = list(GPT(GPTConfig(block_size=32, **SIZES["tiny"])).parameters())
+    shares = split_by_size(params, world)
+    assert sorted(id(p) for share in shares for p in share) == sorted(id(p) for p in params)
+    total = sum(p.numel() for p in params)
+    for rank, share in enumerate(shares):
+        assert sum(p.numel() for p in share) == pytest.approx(total / world, rel=0.05), rank
+    assert [[id(p) for p in s] for s in split_by_size(params, world)] == [
+        [id(p) for p in s] for s in shares
+    ]
+
+
+def test_a_flag_given_wins_over_quick_and_the_workload():
+    """--quick and --workload fill only the flags left out; with none given, the documented
+    defaults (--help, docs/benchmarks.md)."""
+    keys = ("size", "seq", "batch", "steps", "warmup", "rounds", "lr")
+    values = lambda args: tuple(getattr(args, k) for k in keys)  # noqa: E731
+    assert values(parse_args([])) == ("bench", 128, 8, 8, 2, 2, 1e-3)
+    assert values(parse_args(["--workload", "w2"])) == ("bench", 128, 1, 8, 2, 2, 1e-3)
+    assert values(parse_args(["--workload", "w0"])) == ("micro", 16, 1, 8, 2, 2, 1e-3)
+    assert values(parse_args(["--quick"])) == ("tiny", 32, 2, 3, 1, 1, 3e-3)
+    given = ["--rounds", "2", "--steps", "5", "--batch", "1", "--size", "micro", "--lr", "1e-2"]
+    assert values(parse_args(["--quick", *given])) == ("micro", 32, 1, 5, 1, 2, 1e-2)
+    assert values(parse_args(["--workload", "w0", "--seq", "64"]))[:3] == ("micro", 64, 1)
+
+
+@pytest.mark.parametrize("flag", [["--rounds", "0"], ["--steps", "0"], ["--warmup", "-1"]])
+def test_rounds_and_steps_below_one_are_refused_before_anything_runs(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flag)
+    assert f"{flag[0]}: expected at least" in capsys.readouterr().err
+
+
+def _round(times: list[float]) -> list[dict]:
+    """One round's gathered results of 2 ranks that trained."""
+    one = {"params": 1000, "times": times, "first_loss": 5.0, "final_loss": 4.0}
+    return [one | {"peak_rss": 1e8, "held_bytes": 8e3, "wire_bytes": 2e3} for _ in range(2)]
+
+
+def test_a_row_is_made_of_the_rounds_that_ran_and_says_which_failed():
+    """A round that failed (a world that hung twice, an exception the ranks reported), in any
+    round, is left out of the row and counted in its note; the row is skipped, with the reasons,
+    only when every round failed."""
+    opts = {"batch": 2, "seq": 8, "world": 2}
+    hung = [{"config": "x", "error": "failed twice (hung past 120 s (--timeout))"}]
+    raised = [{"params": 1000, "error": "RuntimeError: boom"}] * 2
+    late = summarize("x", [_round([1.0, 3.0]), hung], opts, peak=1.0)
+    assert late["median_s"] == 2.0 and "1 of 2 rounds failed" in late["note"]
+    early = summarize("x", [raised, _round([2.0])], opts, peak=1.0)
+    assert early["median_s"] == 2.0 and "RuntimeError: boom (rank 0)" in early["note"]
+    never = summarize("x", [raised, raised], opts, peak=1.0)
+    assert never == {"config": "x", "skipped": "RuntimeError: boom (rank 0)"}
+    rows = [late, never]
+    table = markdown(rows, "header", floors(rows, 1000, 0, None))
+    assert "no floor row" in table and "Floor: 0.000" not in table
+    assert "| x | skipped: RuntimeError: boom (rank 0) |" in table
+    assert "- x: 1 of 2 rounds failed: failed twice (hung past 120 s (--timeout))" in table

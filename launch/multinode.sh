@@ -125,6 +125,10 @@ if [[ -n "$IFACE" && -n "$IFACE_GIVEN" ]]; then
 elif [[ -n "$IFACE" ]]; then
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFACE} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFACE}
 fi
+SOCKET_NOTE=  # the caller's own choice, when it is not the interface above
+if [[ -n "${GLOO_SOCKET_IFNAME:-}" && "${GLOO_SOCKET_IFNAME:-}" != "$IFACE" ]]; then
+    SOCKET_NOTE="(GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME) "
+fi
 BACKEND=gloo
 if (( GPUS > 0 )); then
     BACKEND=nccl
@@ -162,6 +166,6 @@ if [[ $# -eq 0 ]]; then
 fi
 echo "multinode.sh: $(hostname) | ${RDZV_ID:+elastic rendezvous $RDZV_ID, }nodes $NNODES${NODE_RANK:+, node rank $NODE_RANK}" \
     "| master $MASTER_IP:$MASTER_PORT$( ((IS_MASTER)) && echo ' (this node)') | interface ${IFACE:-?}" \
-    "(${LOCAL_ADDR:-?}) ${GLOO_SOCKET_IFNAME:+GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME }| backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
+    "(${LOCAL_ADDR:-?}) ${SOCKET_NOTE}| backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
 exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" \
     examples/train_gpt.py --backend "$BACKEND" --threads "$OMP_NUM_THREADS" "$@"

@@ -233,6 +233,21 @@ class FSDPParams(ModelGrads):
     def release_master_grads(self) -> None:
         """The gradients are FSDP's; zero_grad releases them."""
 
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad()`` also drops what FSDP2 accumulates unsharded and unreduced
+        under ``set_requires_gradient_sync(False)`` (see :meth:`unreduced_grads`): a window
+        discarded there (a NaN loss seen in the all-reduced loss) was added into the next step
+        anyway, or skipped it, while DDP's ``no_sync`` discarded it exactly (an audit). A
+        module's own ``zero_grad()`` is FSDP2's and leaves them, as torch's does."""
+        super().zero_model_grads(set_to_none)
+        for param_group in self._param_groups():
+            for fsdp_param in getattr(param_group, "fsdp_params", ()):
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if isinstance(unsharded, torch.Tensor) and unsharded.grad is not None:
+                    unsharded.grad = None
+
     def master_bytes(self) -> int:
         """FP32 shards held here when they stand in for master weights (O2), else 0."""
         if not self.props.master_weights:

@@ -495,6 +495,26 @@ class ScalerGroup:
                 other.scaled_sample = other.masters.scaled_grad_sample()
         self._open.append(block)
 
+    def reached_unlisted(
+        self, reached: list[AmpOptimizerState], loss_id: int, scale: float
+    ) -> None:
+        """[Note: a block that does not list an optimizer it reaches] ``scale_loss(loss, opt_a)``
+        whose backward also writes gradients of ``opt_b``'s parameters (one wrap of two
+        optimizers; an encoder stepped by one and a head by the other, the critic loss reaching
+        the actor's trunk, a GAN's generator loss reaching the discriminator) left them
+        multiplied by the loss scale while ``opt_b`` took them as unscaled: a head moved 844
+        instead of 0.013, silently (an audit). A GAN clears the discriminator's gradients
+        before using them, so nothing is refused here: an optimizer with no pending gradients
+        adopts them at the block's scale (a later clear drops them as any clear does; its step
+        warns that they were taken so); one whose pending gradients carry another scale now
+        holds a sum at two scales that nothing can undo, and its ``step()`` refuses it."""
+        for st in reached:
+            if st.state is OptState.READY:
+                st.grad_scale, st.state, st.had_grads = scale, OptState.SCALED, True
+                st.unlisted_loss = loss_id
+            elif st.state is OptState.UNSCALED or st.grad_scale != scale:
+                st.mixed_scales = (loss_id, scale)
+
     def forget(self, st: AmpOptimizerState) -> None:
         """``st`` dropped its gradients (zero_grad) before its step: its blocks lose it as a user,
         and a block no optimizer stepped on is dropped, decided or not — a batch discarded after

@@ -716,9 +716,29 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
     if len(groups) > 1:
         raise ValueError(
             f"{what}: the optimizers come from different distamp.wrap calls; expected optimizers "
-            "wrapped together (their losses share one set of loss scalers)"
+            "wrapped together (their losses share one set of loss scalers): "
+            "distamp.wrap([models], [optimizers]); under FSDP, where one fully_shard call takes "
+            "one model and one optimizer, shard the models' parent module with one optimizer "
+            "holding a param group per model"
         )
     return states, None
+
+
+def _refuse_a_list(optimizer: object, api: str) -> None:
+    """``unscale_``, ``clip_grad_norm_`` and ``stats`` take one optimizer (``scale_loss`` takes a
+    list: a loss may reach several); a list failed with Python's "too many values to unpack"
+    (an audit)."""
+    if isinstance(optimizer, (list, tuple)):
+        hint = (
+            "; for one norm over several optimizers: distamp.unscale_ each, then "
+            "torch.nn.utils.clip_grad_norm_ over all their models' parameters"
+            if api == "clip_grad_norm_"
+            else ""
+        )
+        raise TypeError(
+            f"{api}: expected one optimizer, got a {type(optimizer).__name__} of "
+            f"{len(optimizer)}; call it on each{hint}"
+        )
 
 
 @contextlib.contextmanager
@@ -762,9 +782,13 @@ def scale_loss(
     through_scaled: list[bool] = []
     if watch:
         scaled.register_hook(lambda _: through_scaled.append(True))
-    before = [st.backward_since_step for st in states]
-    for st in states:
+    # The group's other optimizers: does this block's backward reach them too (see [Note: a block
+    # that does not list an optimizer it reaches] in scaler.py)?
+    others = [o for o in group.optimizers if o not in states and o.watches_backward]
+    before = [st.backward_since_step for st in (*states, *others)]
+    for st in (*states, *others):
         st.backward_since_step = False
+    for st in states:
         st.masters.blocks_open += 1
     try:
         yield scaled
@@ -772,7 +796,8 @@ def scale_loss(
         for st in states:
             st.masters.blocks_open -= 1
     reached = any(st.backward_since_step for st in states)
-    for st, seen in zip(states, before, strict=True):
+    foreign = [o for o in others if o.backward_since_step]
+    for st, seen in zip((*states, *others), before, strict=True):
         st.backward_since_step = st.backward_since_step or seen
     if watch and reached and not through_scaled:
         # An apex user's slip: ``loss.backward()`` inside the block. Its gradients are not
@@ -786,6 +811,7 @@ def scale_loss(
             stacklevel=3,
         )
     group.finish_backward(loss_id, states, scale, loss)
+    group.reached_unlisted(foreign, loss_id, scale)
 
 
 def unscale_(optimizer: torch.optim.Optimizer) -> None:
@@ -794,6 +820,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     A collective over the wrapped process group (see ``optimizer.step``). Use it before inspecting
     or clipping gradients; ``step()`` then uses the decision without another collective.
     """
+    _refuse_a_list(optimizer, "unscale_")
     states, disabled = _states(optimizer, "unscale_")
     if disabled is not None:
         return
@@ -823,6 +850,7 @@ def clip_grad_norm_(
     (inf/NaN when the step will be skipped; nothing is clipped then). With replicated masters the
     reduced gradients are identical on every rank, so the norm needs no collective.
     """
+    _refuse_a_list(optimizer, "clip_grad_norm_")
     states, disabled = _states(optimizer, "clip_grad_norm_")
     if disabled is not None:
         params = [
@@ -857,6 +885,7 @@ def clip_grad_norm_(
 
 def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
     """This rank's counters, loss scales and memory for a wrapped optimizer."""
+    _refuse_a_list(optimizer, "stats")
     states, disabled = _states(optimizer, "stats")
     if disabled is not None:
         return AmpStats(

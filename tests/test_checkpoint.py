@@ -940,3 +940,26 @@ def test_a_checkpoint_saved_with_the_other_enabled_is_refused_saying_so(tmp_path
         CheckpointError, match=f"saved with distamp.wrap\\(..., enabled={saved_enabled}\\)"
     ):
         distamp.load_checkpoint(tmp_path / "ckpt", *make(not saved_enabled))
+
+
+def _shared_embedding(rank, world, directory):
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 8)
+    enc, dec = nn.Sequential(emb, nn.Linear(8, 8)), nn.Sequential(emb, nn.Linear(8, 8))
+    opt = torch.optim.SGD([*enc.parameters(), *dec[1].parameters()], lr=0.1)
+    [enc, dec], opt = distamp.wrap([enc, dec], opt, opt_level="O2", verbosity=0)
+    x = torch.randint(0, 20, (4, 3))
+    with distamp.scale_loss((enc(x).float().sum() + dec(x).float().sum()) * 1e-3, opt) as s:
+        s.backward()
+    opt.step()
+    distamp.save_checkpoint(directory, [enc, dec], opt)
+    return opt.param_groups[0]["params"][0].detach().clone()  # the embedding's FP32 master
+
+
+def test_consolidate_gives_a_parameter_two_models_share_its_fp32_master_in_both(tmp_path):
+    """seq2seq's shared embedding: model 1's alias was named per model and missed the master,
+    so it came back rounded to bf16 (an audit)."""
+    master = run_ranks(_shared_embedding, 1, str(tmp_path / "ckpt"))[0]
+    for index in (0, 1):
+        weight = consolidate(tmp_path / "ckpt", index)["0.weight"]
+        assert torch.equal(weight, master.view_as(weight)), index

@@ -628,3 +628,63 @@ def test_torch_dcp_state_dict_idiom_resumes_under_fsdp(tmp_path):
         assert counted == 0, "get_state_dict's placeholder step was counted"
         assert not [m for m in messages if "without distamp.scale_loss" in m], messages
         assert [m for m in messages if "starts again at" in m], messages
+
+
+def _discard_a_window(rank, world, discard):
+    """Two micro-batches per step accumulated without sync; at step 1 the first micro-batch is
+    bad on rank 1 (x1000), seen in the all-reduced loss, and the window is discarded with
+    optimizer.zero_grad() (``discard``), or never run at all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in (0, 1)]
+        if step == 1 and not discard:
+            continue
+        for micro, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(micro == 1)
+            loss = F.mse_loss(model(x.bfloat16()).float(), y) / 2
+            if step == 1 and micro == 0 and rank == 1:
+                loss = loss * 1000.0
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            seen = loss.detach().clone()
+            torch.distributed.all_reduce(seen)
+            if seen > 100:
+                opt.zero_grad()
+                break
+        else:
+            opt.step()
+            opt.zero_grad()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.float().clone() for k, v in full.items()}
+
+
+def test_a_window_discarded_with_zero_grad_under_fsdp_no_sync_leaves_no_trace():
+    """FSDP2 keeps unsharded, unreduced gradients while sync is off; optimizer.zero_grad()
+    left them, and the discarded micro-batch (finite, x1000) was added into the next step:
+    0.02-0.03 off the run that never saw it, silently (an audit; DDP's no_sync was exact)."""
+    discarded = run_ranks(_discard_a_window, 2, True)
+    never = run_ranks(_discard_a_window, 2, False)
+    assert_same(discarded[0], never[0], "the discarding run against the one that never saw it")
+
+
+def _sharded_extra(rank, world, directory):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    try:
+        distamp.save_checkpoint(directory, model, opt, extra={"ema": model.state_dict()})
+    except distamp.checkpoint.CheckpointError as err:  # every rank, each rank's reason
+        return str(err)
+    return "saved"
+
+
+def test_a_sharded_tensor_in_extra_is_refused_by_its_key(tmp_path):
+    """An FSDP-sharded EMA's state_dict in extra= failed inside torch ("Sharding propagation
+    failed") naming nothing; only rank 0's shards would have been saved (an audit)."""
+    for message in run_ranks(_sharded_extra, 2, str(tmp_path / "ckpt")):
+        assert "extra['ema']" in message and "found a DTensor" in message, message

@@ -303,3 +303,107 @@ def test_many_blocks_of_one_loss_do_not_share_a_flag_with_another_loss(world, ac
     expected = [(0, 0, (2.0**16, 2.0**16)), skipped, skipped]
     for rank, result in enumerate(run_ranks(_nine_blocks, world, accumulate)):
         assert result == expected, (rank, accumulate, result)
+
+
+# -- a block that does not list an optimizer its backward reaches ---------------------------------
+
+
+def _enc_head(amp: bool, steps: int = 3):
+    """An encoder stepped by one optimizer, a head by another; scale_loss lists only the
+    encoder's (an audit: the head moved 844 instead of 0.013)."""
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    oe = torch.optim.SGD(enc.parameters(), lr=0.1)
+    oh = torch.optim.SGD(head.parameters(), lr=0.1)
+    if amp:
+        [enc, head], [oe, oh] = distamp.wrap(
+            [enc, head], [oe, oh], opt_level="O0", loss_scale="dynamic", verbosity=0
+        )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        oe.zero_grad()
+        oh.zero_grad()
+        loss = head(enc(torch.randn(16, 4, generator=g))).pow(2).mean()
+        if amp:
+            with distamp.scale_loss(loss, oe) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        oe.step()
+        oh.step()
+    return [p.detach().clone() for p in (*enc.parameters(), *head.parameters())]
+
+
+def test_gradients_of_an_optimizer_the_block_did_not_list_are_taken_at_its_scale():
+    """O0 with a dynamic scale: power-of-two scaling is exact, so bit for bit FP32's."""
+    with pytest.warns(UserWarning, match="optimizer 1's gradients were written by a scale_loss"):
+        got = _enc_head(amp=True)
+    for a, b in zip(got, _enc_head(amp=False), strict=True):
+        assert torch.equal(a, b)
+
+
+def _gan(amp: bool, steps: int = 3):
+    """The GAN habit: the generator's loss reaches the discriminator, whose gradients are
+    cleared before its own backward; nothing to warn about."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(3, 4), nn.Linear(4, 1)
+    oG = torch.optim.SGD(G.parameters(), lr=0.1)
+    oD = torch.optim.SGD(D.parameters(), lr=0.1)
+    if amp:
+        [G, D], [oG, oD] = distamp.wrap(
+            [G, D], [oG, oD], opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
+        )
+    g = torch.Generator().manual_seed(2)
+
+    def backward(loss, opt, loss_id):
+        if not amp:
+            loss.backward()
+            return
+        with distamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+
+    for _ in range(steps):
+        D.zero_grad()
+        fake = G(torch.randn(8, 3, generator=g))
+        real = torch.randn(8, 4, generator=g)
+        backward(D(fake.detach()).mean() - D(real).mean(), oD, 0)
+        oD.step()
+        G.zero_grad()
+        backward(-D(fake).mean(), oG, 1)  # reaches D's parameters too
+        oG.step()
+    return [p.detach().clone() for p in (*G.parameters(), *D.parameters())]
+
+
+def test_a_gan_whose_generator_loss_reaches_the_discriminator_trains_as_fp32_without_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _gan(amp=True)
+    for a, b in zip(got, _gan(amp=False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_block_that_adds_at_another_scale_to_pending_gradients_is_refused_at_step():
+    """Actor-critic, two losses at two scales: the critic's loss (loss 1, listing only the
+    critic's optimizer) reaches the actor's trunk, whose loss-0 gradients are pending at
+    another scale: a sum at two scales, which nothing can unscale (the audit's trunk moved
+    0.126 off, silently)."""
+    torch.manual_seed(0)
+    trunk, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    oa = torch.optim.SGD(trunk.parameters(), lr=0.1)
+    oc = torch.optim.SGD(critic.parameters(), lr=0.1)
+    [trunk, critic], [oa, oc] = distamp.wrap(
+        [trunk, critic], [oa, oc], opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
+    )
+    state = oa.state_dict()
+    state["distamp"]["scalers"][1]["scale"] = 2.0**8  # loss 1 at another scale than loss 0
+    oa.load_state_dict(state)
+    h = trunk(torch.randn(8, 4))
+    with distamp.scale_loss(h.pow(2).mean(), oa, loss_id=0) as scaled:
+        scaled.backward(retain_graph=True)
+    with distamp.scale_loss(critic(h).mean(), oc, loss_id=1) as scaled:
+        scaled.backward()
+    oc.step()  # the critic's own gradients: one scale, stepped
+    with pytest.raises(RuntimeError, match="loss_id=1 .* did not while its gradients were pending"):
+        oa.step()

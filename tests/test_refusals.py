@@ -614,3 +614,18 @@ def test_a_torch_only_state_dict_loads_where_the_optimizer_steps_the_models_own_
     loaded = [opt.state[p]["momentum_buffer"] for p in opt.param_groups[0]["params"]]
     expected = [plain.state[p]["momentum_buffer"] for p in plain.param_groups[0]["params"]]
     assert all(torch.equal(a, b) for a, b in zip(loaded, expected, strict=True))
+
+
+def test_one_optimizer_apis_given_a_list_say_so():
+    """unscale_, clip_grad_norm_ and stats take one optimizer; a list (natural, since scale_loss
+    takes one) failed with "too many values to unpack" (an audit)."""
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    _, [oa, ob] = distamp.wrap([a, b], [oa, ob], opt_level="O0", verbosity=0)
+    for call in (
+        lambda: distamp.unscale_([oa, ob]),
+        lambda: distamp.clip_grad_norm_([oa, ob], 1.0),
+        lambda: distamp.stats([oa, ob]),
+    ):
+        with pytest.raises(TypeError, match="expected one optimizer, got a list of 2; call it on"):
+            call()

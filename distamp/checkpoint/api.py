@@ -297,7 +297,7 @@ def _collect(
     sd: dict[str, Any] = {}
     models = []
     for i, model in enumerate(target.models):
-        entry = model_entry(i, model, len(target.models))
+        entry = model_entry(i, model, len(target.models), target.names)
         models.append(entry)
         for key, value in live_state_dict(model).items():
             # A plain tensor: rank 0's copy only (buffers such as BatchNorm statistics may differ

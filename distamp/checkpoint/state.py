@@ -120,9 +120,16 @@ def param_names(models: list[nn.Module]) -> dict[int, str]:
     return names
 
 
-def model_entry(index: int, model: nn.Module, n_models: int) -> dict[str, Any]:
-    """The manifest's description of one model: state keys, parameters, tied aliases."""
-    canonical: dict[int, str] = {}
+def model_entry(
+    index: int, model: nn.Module, n_models: int, names: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """The manifest's description of one model: state keys, parameters, tied aliases.
+
+    ``names`` (:func:`param_names` of all the models) names a parameter two models share by the
+    first model holding it, as the optimizers' flat layouts do: named per model, the second
+    model's alias missed its FP32 master and ``consolidate`` gave it the half weight (an
+    audit: an embedding shared by an encoder and a decoder at O2 came back rounded to bf16)."""
+    canonical: dict[int, str] = dict(names or {})
     for pname, param in model.named_parameters():
         canonical.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
     aliases = {
@@ -516,6 +523,16 @@ def check_plain(value: Any, path: str) -> Any:
     scalar = builtin_scalar(value)
     if scalar is not NotImplemented:
         return scalar
+    if is_dtensor(value):
+        # Only this rank's shard is local: rank 0's alone would be saved, and comparing the
+        # ranks' values failed inside torch ("Sharding propagation failed") naming nothing (an
+        # audit: an FSDP-sharded EMA's state_dict, another optimizer's state_dict under FSDP).
+        raise TypeError(
+            f"{path}: expected plain data, found a DTensor (an FSDP-sharded tensor: each rank "
+            "holds a shard); pass its module in the models list of save_checkpoint (sharded "
+            "models are saved shard by shard), or a full copy "
+            "(get_model_state_dict(..., options=StateDictOptions(full_state_dict=True)))"
+        )
     if isinstance(value, torch.Tensor):
         return value.detach().clone().cpu()
     if isinstance(value, torch.dtype):

@@ -93,6 +93,13 @@ class AmpOptimizerState:
         self.had_grads = False
         """Some model gradient existed when the last scale_loss block ended (see
         :func:`drop_cleared_gradients`)."""
+        self.unlisted_loss: int | None = None
+        """The pending gradients were written by a block of this loss that did not list this
+        optimizer, and adopted at its scale (see [Note: a block that does not list an optimizer
+        it reaches] in scaler.py)."""
+        self.mixed_scales: tuple[int, float] | None = None
+        """(loss_id, scale) of such a block that wrote into gradients pending at another scale."""
+        self.warned_unlisted = False
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None
         """The wrapped optimizer (a weak reference, set by wrap)."""
         self.in_step = False
@@ -134,6 +141,8 @@ class AmpOptimizerState:
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
         self.state = OptState.READY
+        self.unlisted_loss = None
+        self.mixed_scales = None
         self.grad_scale = None
         self.backwards = []
         self.seen_nonfinite = None
@@ -202,6 +211,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
+        _refuse_or_warn_unlisted(st)
         st.masters.take_written_weights()  # see [Note: weights written after wrap]
         touched, scale = _scaled_grads_touched(st), st.grad_scale
         if st.state is not OptState.UNSCALED:
@@ -709,6 +719,37 @@ class BackwardSeen:
         st = self.st()
         if st is not None:
             st.backward_since_step = True
+
+
+def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:
+    """See [Note: a block that does not list an optimizer it reaches] in scaler.py. Every rank
+    runs the same script, so every rank raises or warns alike."""
+    index = _optimizer_index(st)
+    if st.mixed_scales is not None:
+        loss_id, scale = st.mixed_scales
+        raise RuntimeError(
+            f"optimizer.step(): expected every scale_loss block that reaches optimizer {index}'s "
+            f"parameters to list it, found a block of loss_id={loss_id} (at loss scale "
+            f"{scale:g}) that did not while its gradients were pending at another scale: they "
+            "now hold a sum at two scales that cannot be unscaled. Pass every optimizer whose "
+            f"parameters the loss reaches: scale_loss(loss, [..., optimizer {index}], "
+            f"loss_id={loss_id}); clear these gradients (zero_grad) and train on"
+        )
+    if st.unlisted_loss is not None and not st.warned_unlisted:
+        warnings.warn(
+            f"optimizer.step(): optimizer {index}'s gradients were written by a scale_loss block "
+            f"of loss_id={st.unlisted_loss} that did not list it; they were taken at that block's "
+            "loss scale. Pass every optimizer whose parameters the loss reaches "
+            "(scale_loss(loss, [opt_a, opt_b])), or clear them (zero_grad) if they are not meant "
+            "to be stepped (a GAN's discriminator after the generator's loss)",
+            stacklevel=3,
+        )
+        st.warned_unlisted = True
+
+
+def _optimizer_index(st: AmpOptimizerState) -> int:
+    """This optimizer's position in its distamp.wrap call (for messages)."""
+    return next((i for i, o in enumerate(st.group.optimizers) if o is st), 0)
 
 
 def watch_backward(st: AmpOptimizerState, params: list[Any]) -> None:

@@ -1,7 +1,10 @@
 """Exact comparison of nested state (tensors, dicts, lists, numbers) with a path in failures, and
-the error a step raises (what the refusal tests return from their ranks)."""
+the error a step raises (what the refusal tests return from their ranks), and a backward
+through scale_loss or plain."""
 
 import torch
+
+import distamp
 
 
 def assert_same(a, b, path="state"):
@@ -30,3 +33,13 @@ def step_error(optimizer, exc=RuntimeError):
     except exc as err:
         return str(err)
     return None
+
+
+def backward(loss, optimizer=None, loss_id=0):
+    """``loss.backward()`` through ``distamp.scale_loss`` when an optimizer is given, else plainly
+    (a test's FP32 reference runs the same loop with ``optimizer=None``)."""
+    if optimizer is None:
+        loss.backward()
+        return
+    with distamp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+        scaled.backward()

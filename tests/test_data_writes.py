@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
+from tests.asserts import backward
 from tests.dist_harness import run_ranks
 
 pytestmark = pytest.mark.xdist_group("multirank")
@@ -41,11 +42,7 @@ def _critic_run(rank: int, world: int, level: str, shard: bool) -> list[torch.Te
         real = torch.randn(16, 8, generator=g) + 1.0
         dtype = next(critic.parameters()).dtype
         loss = (model(x.to(dtype)).float().mean() - model(real.to(dtype)).float().mean()) * 10
-        if level == "fp32":
-            loss.backward()
-        else:
-            with distamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+        backward(loss, None if level == "fp32" else opt)
         opt.step()
         opt.zero_grad()
         after_step.append(torch.cat([p.detach().float().reshape(-1) for p in critic.parameters()]))

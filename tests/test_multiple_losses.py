@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from asserts import backward
 from dist_harness import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -324,11 +325,7 @@ def _enc_head(amp: bool, steps: int = 3):
         oe.zero_grad()
         oh.zero_grad()
         loss = head(enc(torch.randn(16, 4, generator=g))).pow(2).mean()
-        if amp:
-            with distamp.scale_loss(loss, oe) as scaled:
-                scaled.backward()
-        else:
-            loss.backward()
+        backward(loss, oe if amp else None)
         oe.step()
         oh.step()
     return [p.detach().clone() for p in (*enc.parameters(), *head.parameters())]
@@ -354,22 +351,14 @@ def _gan(amp: bool, steps: int = 3):
             [G, D], [oG, oD], opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
         )
     g = torch.Generator().manual_seed(2)
-
-    def backward(loss, opt, loss_id):
-        if not amp:
-            loss.backward()
-            return
-        with distamp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
-            scaled.backward()
-
     for _ in range(steps):
         D.zero_grad()
         fake = G(torch.randn(8, 3, generator=g))
         real = torch.randn(8, 4, generator=g)
-        backward(D(fake.detach()).mean() - D(real).mean(), oD, 0)
+        backward(D(fake.detach()).mean() - D(real).mean(), oD if amp else None, 0)
         oD.step()
         G.zero_grad()
-        backward(-D(fake).mean(), oG, 1)  # reaches D's parameters too
+        backward(-D(fake).mean(), oG if amp else None, 1)  # reaches D's parameters too
         oG.step()
     return [p.detach().clone() for p in (*G.parameters(), *D.parameters())]
 

@@ -97,6 +97,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         """ids of the parameters whose shard gradient the hook wrote since the last step."""
         self.block = BLOCK
         """Elements per block of every group's shard ([Note: block-cyclic shards])."""
+        self.write_samples: dict[int, tuple[tuple[int, int], tuple[torch.Tensor, ...]]] = {}
+        """Per group: (the layout it was made for, the sampled positions of
+        :meth:`_write_samples`)."""
         self.overlap_gather = False
         """Set by ``hooks.register(..., overlap_gather=True)``: see [Note: the gather overlaps
         the next forward]."""
@@ -559,11 +562,10 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         """(positions in group ``g``'s flat weights, the same in its shard, the parameter index)
         of the sampled values of this rank's pieces, made once per layout."""
         layout = self.groups[g]
-        cache: dict[int, tuple[Any, ...]] = self.__dict__.setdefault("_write_sample_cache", {})
         key = (id(layout.flat_half), len(layout.pieces))
-        cached = cache.get(g)
+        cached = self.write_samples.get(g)
         if cached is not None and cached[0] == key:
-            return cached[1]
+            return cached[1][0], cached[1][1], cached[1][2]
         by_param: dict[int, list[tuple[int, int, int]]] = {}
         for index, src, count, dst in layout.pieces:
             by_param.setdefault(index, []).append((src, count, dst))
@@ -585,11 +587,11 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                     owner.append(index)
                 k += count
         device = self._device()
-        out = tuple(
+        made = [
             torch.tensor(v, dtype=torch.long, device=device) for v in (flat_at, shard_at, owner)
-        )
-        cache[g] = (key, out)
-        return out  # type: ignore[return-value]
+        ]
+        self.write_samples[g] = (key, tuple(made))
+        return made[0], made[1], made[2]
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
         return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]

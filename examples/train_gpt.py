@@ -878,7 +878,7 @@ class Progress:
                 )
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0
@@ -1141,12 +1141,33 @@ def main() -> None:
     if is_main and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    status = diverged(step_times, loss_sum, args.steps, st, is_main)
     if backend is not None:
         dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
         dist.destroy_process_group()
+    return status
 
 
-def leave_without_destructors() -> None:
+def diverged(
+    step_times: list[float], loss: torch.Tensor, step: int, st: distamp.AmpStats, is_main: bool
+) -> int:
+    """The exit status of a finished run: 1 when its final loss (averaged over the ranks, so the
+    same on every rank) is inf or NaN, so that a script, Slurm or CI sees a diverged run as failed
+    (an audit: it exited 0); 0 otherwise, and when no step ran here."""
+    if not step_times or math.isfinite(value := loss.item()):
+        return 0
+    if is_main:
+        print(
+            f"error: the run diverged: expected a finite loss after step {step}, found {value} "
+            f"(averaged over the ranks; {st.skipped_steps} steps skipped, loss scale "
+            f"{st.loss_scales[0]:g}). Lower --lr or set --clip.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 1
+
+
+def leave_without_destructors(status: int = 0) -> None:
     """End a finished run without running gloo's C++ destructors at interpreter exit.
 
     gloo's worker threads can still hold finished work objects that own Python tensors; freeing
@@ -1154,14 +1175,13 @@ def leave_without_destructors() -> None:
     exception", SIGABRT: seen once in this project's CI, in the FSDP example's rank 1 after it had
     finished; pytorch/pytorch#179291) or hangs
     it (see benchmarks/compare.py, [Note: exit without destructors]). Everything the run writes
-    (checkpoints, metrics, the summary) is closed by now, so leave with status 0.
+    (checkpoints, metrics, the summary) is closed by now, so leave with `status` (see diverged).
     """
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    main()
-    leave_without_destructors()
+    leave_without_destructors(main())

@@ -34,6 +34,7 @@ from train_gpt import (
     check_progress_arguments,
     check_resume,
     continue_schedule,
+    diverged,
     fp16_adam_eps,
     job_has_bf16,
     leave_without_destructors,
@@ -96,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     device, backend = setup_distributed()
     if backend is None:
@@ -151,7 +152,7 @@ def main() -> None:
                 )
             dist.barrier()
             dist.destroy_process_group()
-            return
+            return 0
     data = RandomWindows(load_stdlib_bytes(int(args.data_mb * 2**20)), args.seq_len, seed=rank)
     if rank == 0:
         # FSDP's FP32 parameter shards: the masters under O2, the weights themselves at O0/O1.
@@ -220,10 +221,11 @@ def main() -> None:
         print(
             f"done: final loss {loss.item():.4f} | median step {statistics.median(times) * 1e3:.1f} ms"
         )
+    status = diverged(times, loss, args.steps, distamp.stats(optimizer), rank == 0)
     dist.barrier()  # gloo aborts a rank that tears down while a peer still runs
     dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":
-    main()
-    leave_without_destructors()
+    leave_without_destructors(main())

@@ -343,3 +343,25 @@ def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_p
     # --keep deleted an earlier run's lower step, as its own note promised it would not)
     run([*base, "--steps", "6", "--save-every", "6", "--keep", "1", "--resume", "none"], tmp_path)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005", "step_000006"]
+
+
+def test_a_run_whose_final_loss_is_not_finite_exits_non_zero_and_says_why(tmp_path):
+    """An audit: a diverged run (NaN loss at the end) exited 0, so Slurm and CI saw success."""
+    summary = tmp_path / "summary.json"
+    cmd = [*torchrun(2), str(SCRIPT), *TINY, "--steps", "3", "--lr", "1e8", "--run-dir", "none"]
+    done = subprocess.run(
+        [*cmd, "--json", str(summary)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.count("error: the run diverged: expected a finite loss after step 3") == 1
+    assert "found nan" in done.stderr, done.stderr[-2000:]
+    assert json.loads(summary.read_text())["final_loss"] is None  # written before it leaves
+    # The same run at a sane rate finishes with status 0 (run() asserts it) and a finite loss.
+    run([*cmd[:-4], "--run-dir", "none", "--json", str(summary)], tmp_path)
+    assert math.isfinite(json.loads(summary.read_text())["final_loss"])

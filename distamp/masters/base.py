@@ -295,9 +295,10 @@ def written_through_data(weights: torch.Tensor, masters: torch.Tensor) -> torch.
     0.01 clip), silently. So every step also compares a sample of each weight with its master
     rounded (:data:`WRITE_SAMPLES` values, strided over the weight: a clip or copy changes most
     of them; a write of a few elements between the samples is still missed) and merges a
-    weight whose sample differs element by element, as a counted write. Not for 16-bit updates
-    of FP32 weights (the weights there are the old ones plus rounded updates, never the masters
-    exactly)."""
+    weight whose sample differs element by element, as a counted write. With 16-bit updates of
+    FP32 weights the owner takes the weights plus the rounded updates as its master, so there
+    too the two are equal once the step's gather has landed (an audit: that mode was left out,
+    and a clamp never reached the masters)."""
     with torch.no_grad():
         rounded = masters.to(weights.dtype)
         return (weights != rounded) & ~(torch.isnan(weights) & torch.isnan(rounded))

@@ -540,9 +540,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     def _take_writes_through_data(self) -> None:
         """See [Note: writes through .data] in base.py: this rank's pieces (sampled) against its
         shard; a weight whose sample differs is merged as a write. Every rank checks its own
-        pieces (the ranks' weights are the same; each merges what it owns)."""
-        if self.update_dtype is not None and self.world > 1:
-            return  # the weights are the old ones plus rounded updates: never the shard exactly
+        pieces (the ranks' weights are the same; each merges what it owns). Also with 16-bit
+        updates: once the gather has landed (take_written_weights waits for it) the owner's
+        shard is its pieces of the weights exactly (see ``_apply_updates``)."""
         for g, layout in enumerate(self.groups):
             flat, shard = layout.flat_half, self.shards[g]
             if flat is None or not layout.params:

@@ -18,4 +18,8 @@ elif [[ ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 CORES=$(nproc)
+if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "OMP_NUM_THREADS: expected a whole number of threads per rank >= 1, got '$OMP_NUM_THREADS'" >&2
+    exit 2
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}

@@ -58,6 +58,14 @@ while [[ $# -gt 0 ]]; do
         *) echo "multinode.sh: unknown option '$1' (training arguments go after --)" >&2; usage 2 >&2 ;;
     esac
 done
+# Checked here, not by torchrun's traceback or a rendezvous that waits for a node that cannot
+# come (an audit: --node-rank 3 of 1 node hung silently); first, so that --nnodes 0 is named as
+# the mistake rather than a missing --node-rank.
+if [[ ! "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] \
+    || { [[ "$NNODES" == *:* ]] && (( ${NNODES%:*} > ${NNODES#*:} )); }; then
+    echo "multinode.sh: --nnodes expects N or MIN:MAX (whole numbers >= 1, MIN <= MAX), got '$NNODES'" >&2
+    exit 2
+fi
 if [[ -n "$NODE_RANK" && -n "$RDZV_ID" ]]; then
     echo "multinode.sh: give --node-rank (fixed membership) or --rdzv-id (elastic), not both" >&2
     exit 2
@@ -72,12 +80,6 @@ fi
 if [[ -z "$MASTER_ADDR" ]]; then
     [[ "$NNODES" == 1 ]] || { echo "multinode.sh: --master HOST is needed with --nnodes $NNODES" >&2; exit 2; }
     MASTER_ADDR=127.0.0.1
-fi
-# Checked here, not by torchrun's traceback or a rendezvous that waits for a node that cannot
-# come (an audit: --node-rank 3 of 1 node hung silently).
-if [[ ! "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]]; then
-    echo "multinode.sh: --nnodes expects N or MIN:MAX (whole numbers >= 1), got '$NNODES'" >&2
-    exit 2
 fi
 if [[ -n "$NODE_RANK" ]]; then
     if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || { [[ "$NNODES" =~ ^[0-9]+$ ]] && (( NODE_RANK >= NNODES )); }; then

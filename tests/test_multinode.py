@@ -152,3 +152,33 @@ def test_two_elastic_agents_on_one_machine_meet_over_loopback(tmp_path):
             log.close()
     assert sum("done: 2 steps" in out for out in outputs) == 1, outputs
     assert "world size 2" in "".join(outputs)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (
+            ["--nnodes", "0"],
+            {},
+            "--nnodes expects N or MIN:MAX (whole numbers >= 1, MIN <= MAX), got '0'",
+        ),
+        (["--nnodes", "2:1", "--rdzv-id", "j", "--master", "h"], {}, "got '2:1'"),
+        (["--nnodes", "2", "--node-rank", "2", "--master", "h"], {}, "from 0 to 2 - 1"),
+        (["--nproc", "two"], {}, "expected a whole number of ranks >= 1, got 'two'"),
+        ([], {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS: expected a whole number of threads"),
+    ],
+    ids=["nnodes-0", "min-above-max", "node-rank-past-the-end", "nproc-word", "omp-word"],
+)
+def test_launch_arguments_are_refused_by_name_before_anything_starts(args, env, says):
+    """An audit: --nnodes 0 was reported as a missing --node-rank, --nnodes 2:1 and
+    OMP_NUM_THREADS=abc reached torchrun (a traceback, or a rendezvous that never completes)."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "multinode.sh"), *args, "--", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env={**ENV, **env},
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,67 @@ def _resume_is_bit_exact(tmp_path, world, opt_level, shard):
     stats = expected[0]["stats"]
     assert stats["skipped_steps"] == 1 and stats["steps"] == STEPS  # the injected inf: skipped
     assert stats["loss_scales"] == (2.0**15,)
+
+
+def rolled_back(rank, world, opt_level, shard, directory, rs_hook):
+    """Train to SAVE_AT and save; then a backward whose loss is NaN on one rank (pending, never
+    stepped: the script sees the NaN and rolls back); load; train on to STEPS."""
+    model, opt, sched = make(opt_level, shard, dropout=0.2)
+    ddp = DDP(model, gradient_as_bucket_view=True) if world > 1 else model
+    if rs_hook:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    train_on(ddp, opt, sched, rank, world, 0, SAVE_AT)
+    distamp.save_checkpoint(directory, ddp, opt, extra={"scheduler": sched.state_dict()})
+    assert distamp.stats(opt).last_step_skipped  # the inf of step SAVE_AT - 1
+    x, y = batch(SAVE_AT, rank, world)
+    loss = F.mse_loss(ddp(x), y) * (float("nan") if rank == world - 1 else 1.0)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    extra = distamp.load_checkpoint(directory, ddp, opt)  # drops the pending gradients
+    assert distamp.stats(opt).last_step_skipped  # an audit: load reset it to False
+    sched.load_state_dict(extra["scheduler"])
+    train_on(ddp, opt, sched, rank, world, SAVE_AT, STEPS)
+    return snapshot(model, opt, sched)
+
+
+def straight_with(rank, world, opt_level, shard, rs_hook):
+    model, opt, sched = make(opt_level, shard, dropout=0.2)
+    ddp = DDP(model, gradient_as_bucket_view=True) if world > 1 else model
+    if rs_hook:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    train_on(ddp, opt, sched, rank, world, 0, STEPS)
+    return snapshot(model, opt, sched)
+
+
+def train_on(ddp, opt, sched, rank, world, first, last):
+    for step in range(first, last):
+        x, y = batch(step, rank, world)
+        inf = step == SAVE_AT - 1 and rank == 0  # one rank only: the step before the save
+        loss = F.mse_loss(ddp(x), y) * (float("inf") if inf else 1.0)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+@pytest.mark.parametrize(
+    ("opt_level", "shard", "rs_hook"),
+    [("O2", False, False), ("O2", True, True), ("O0", True, True)],
+    ids=["O2-replicated", "O2-sharded-rs-hook", "O0-sharded-rs-hook"],
+)
+def test_load_drops_pending_gradients_to_roll_back_after_a_nan_loss(
+    tmp_path, opt_level, shard, rs_hook
+):
+    """The docstring said load drops pending gradients; it refused them (an audit), so a script
+    could not roll back to its last checkpoint after a NaN loss. Bit for bit with a run that
+    never saw the NaN (the load restores the RNG the extra forward's dropout drew from)."""
+    directory = str(tmp_path / "ckpt")
+    want = run_ranks(straight_with, 2, opt_level, shard, rs_hook)
+    got = run_ranks(rolled_back, 2, opt_level, shard, directory, rs_hook)
+    for rank in range(2):
+        assert_same(want[rank]["model"], got[rank]["model"], f"rank {rank}")
+        assert want[rank]["stats"] == got[rank]["stats"]
 
 
 # -- resharding ---------------------------------------------------------------------------------
@@ -520,6 +582,32 @@ def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 1})
     assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.incomplete", "junk"]
+
+
+def test_latest_checkpoint_while_a_save_replaces_one_neither_raises_nor_warns(
+    tmp_path, monkeypatch
+):
+    """An evaluator polling the folder while training commits over ``b``: the commit renames
+    ``b`` away between the manifest read and the COMMIT stat (an audit: FileNotFoundError in 42
+    of 2494 calls, and a spurious "damaged" warning)."""
+    import distamp.checkpoint.files as files
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    distamp.save_checkpoint(tmp_path / "a", model, opt, extra={"step": 3})
+    distamp.save_checkpoint(tmp_path / "b", model, opt, extra={"step": 7})
+    real = files.read_manifest
+
+    def read_then_replaced(child):
+        manifest = real(child)
+        if child.name == "b":
+            os.rename(child, tmp_path / "b.old")  # what the commit of a save over b does
+        return manifest
+
+    monkeypatch.setattr(files, "read_manifest", read_then_replaced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "a")
 
 
 def test_two_saves_killed_in_a_row_leave_the_last_complete_checkpoint(tmp_path, monkeypatch):

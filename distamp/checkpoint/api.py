@@ -107,7 +107,10 @@ class _Target:
             self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         self.world = dist.get_world_size(self.pg) if self.pg is not None else 1
         self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
-        for view in self.views:
+        # A load drops pending gradients (_install_optimizer zeroes them): rolling back to the
+        # last checkpoint after a NaN loss is its use (an audit: it refused, and the docstring
+        # said they were dropped). A save would leave them out of the checkpoint: refused.
+        for view in self.views if what == "save_checkpoint" else ():
             if view.st is not None and view.st.state is not OptState.READY:
                 raise RuntimeError(
                     f"{what}: optimizers[{view.index}] has gradients pending from scale_loss "
@@ -356,6 +359,7 @@ def _collect(
                 "kept": kept_entries,
                 "steps": st.steps if st is not None else 0,
                 "skipped_steps": st.skipped_steps if st is not None else 0,
+                "last_step_skipped": bool(st is not None and st.last_step_skipped),
             }
         )
     scalers = (
@@ -831,7 +835,8 @@ def _install_optimizer(
     if st is not None:
         st.steps = int(entry["steps"])
         st.skipped_steps = int(entry["skipped_steps"])
-        st.last_step_skipped = False
+        # Absent from checkpoints saved before it was kept (an audit: stats() lost it).
+        st.last_step_skipped = bool(entry.get("last_step_skipped", False))
         st.reset()
 
 

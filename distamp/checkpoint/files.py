@@ -291,9 +291,11 @@ def list_checkpoints(root: str | os.PathLike[str], *, warn: bool = False) -> lis
             continue
         try:
             manifest = read_manifest(child)
+            # Inside the try: a save committing over ``child`` renames it away at any moment
+            # (an audit: FileNotFoundError from an evaluator polling the folder).
+            key = (int(manifest.get("step", 0)), (child / COMMIT).stat().st_mtime, str(child))
         except (CheckpointError, OSError, RuntimeError, ValueError):
             continue
-        key = (int(manifest.get("step", 0)), (child / COMMIT).stat().st_mtime, str(child))
         candidates.append((key, manifest))
     # [Note: a damaged newest checkpoint] A job restarted with `--resume auto` (torchrun
     # --max-restarts, a Slurm requeue) would pick the same damaged checkpoint on every restart and
@@ -304,6 +306,8 @@ def list_checkpoints(root: str | os.PathLike[str], *, warn: bool = False) -> lis
     damaged: list[tuple[tuple[int, float, str], list[str]]] = []
     for key, manifest in sorted(candidates, key=lambda c: c[0]):
         bad = damaged_files(Path(key[2]), manifest.get("files", {}))
+        if bad and not (Path(key[2]) / COMMIT).is_file():
+            continue  # renamed away meanwhile (a save replaced it), not damaged
         if bad:
             damaged.append((key, bad))
         else:

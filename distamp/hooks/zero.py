@@ -107,10 +107,12 @@ def zero_reduce_hook(
         state._received = 0
         state._gather_queued = False
     plan = _plan(state, masters, bucket)
+    if plan.pieces and not masters.blocks_open:
+        state._gather_queued = True  # queued at the last bucket: see _gather_when_backward_ends
+    if bucket.is_last() and state._gather_queued:
+        _gather_when_backward_ends(state, masters)
     if not plan.pieces:
         return _compress_hook(state, bucket, state.wire_dtype)
-    if not masters.blocks_open and not state._gather_queued:
-        _gather_when_backward_ends(state, masters)
     # See [Note: buffers only in flight] in compress.py. With 16-bit updates of FP32 weights the
     # staging buffer exists anyway and receives (see [Note: one staging buffer for the two
     # halves] in masters/gather.py).
@@ -213,9 +215,12 @@ def _gather_when_backward_ends(state: ZeroState, masters: "ShardedMasterParams")
     versions recorded, as after ``distamp.unscale_``: ``step()`` takes what the framework
     changed. Run backward inside ``scale_loss`` to keep the reduce-scatter's saving.
 
-    Queued on the autograd engine from the first bucket reduce-scattered; that callback queues
-    the gather, which so runs after DDP's own end-of-backward callback (queued at the last
-    bucket, it waits for every bucket and writes their results into ``.grad``). Every rank
+    Queued on the autograd engine from the last bucket, just before DDP queues its own
+    end-of-backward callback there (it waits for every bucket and writes their results into
+    ``.grad``); our callback queues the gather, which so runs after DDP's. Not from the first
+    bucket reduce-scattered: inside a reentrant activation checkpoint that bucket's callback
+    belongs to the nested backward and ran when it ended, before the later buckets, deciding
+    from what gloo had delivered so far: the ranks parted and hung (an audit). Every rank
     queues it: whether a bucket is reduce-scattered and whether a block is open are the same on
     every rank (the same buckets, the same script)."""
     state._gather_queued = True

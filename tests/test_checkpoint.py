@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
+import distamp.fsdp
 from distamp.checkpoint import CheckpointError, consolidate, consolidate_optimizer_state
 
 GLOBAL_BATCH = 12  # divisible by world sizes 1-4: every world size trains on the same samples
@@ -217,6 +218,63 @@ def test_load_drops_pending_gradients_to_roll_back_after_a_nan_loss(
     for rank in range(2):
         assert_same(want[rank]["model"], got[rank]["model"], f"rank {rank}")
         assert want[rank]["stats"] == got[rank]["stats"]
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def bn_run(rank, world, how, directory, first, last, load):
+    """Train steps [first, last) with rank-local BatchNorm statistics (FSDP never syncs buffers;
+    DDP told not to broadcast them); load the checkpoint first, or save it at the end."""
+    net = BatchNormNet()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    if how == "fsdp":
+        model, opt = distamp.fsdp.fully_shard(net, opt, opt_level="O1", verbosity=0)
+    else:
+        net, opt = distamp.wrap(net, opt, opt_level="O2", verbosity=0)
+        model = DDP(net, broadcast_buffers=False) if world > 1 else net
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if load:
+            distamp.load_checkpoint(directory, model, opt)
+    for step in range(first, last):
+        x, y = batch(step, rank, world)
+        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    if not load and directory is not None:
+        distamp.save_checkpoint(directory, model, opt)
+    inner = model.module if isinstance(model, DDP) else model
+    buffers = {k: v.detach().clone() for k, v in inner.named_buffers()}
+    return buffers, [str(w.message) for w in caught if "buffers" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["ddp-no-broadcast", "fsdp"])
+def test_buffers_that_differ_between_ranks_resume_as_each_ranks_own(tmp_path, how):
+    """BatchNorm statistics are each rank's own under FSDP and DDP(broadcast_buffers=False); a
+    resume gave every rank rank 0's (an audit: rank 1's running_mean 1.7e-2 off). Bit for bit at
+    the same world size; at another one every rank gets rank 0's, with a warning naming them."""
+    directory = str(tmp_path / "ckpt")
+    straight = run_ranks(bn_run, 2, how, None, 0, 5, False)
+    assert not torch.equal(straight[0][0]["bn.running_mean"], straight[1][0]["bn.running_mean"])
+    run_ranks(bn_run, 2, how, directory, 0, 3, False)
+    resumed = run_ranks(bn_run, 2, how, directory, 3, 5, True)
+    for rank in range(2):
+        assert_same(straight[rank][0], resumed[rank][0], f"rank {rank}")
+        assert resumed[rank][1] == []
+    if how == "fsdp":
+        return
+    ((_, warned),) = run_ranks(bn_run, 1, how, directory, 3, 3, True)
+    assert len(warned) == 1 and "'bn.running_mean'" in warned[0], warned
+    assert "every rank gets rank 0's" in warned[0]
 
 
 # -- resharding ---------------------------------------------------------------------------------
@@ -1051,3 +1109,66 @@ def test_consolidate_gives_a_parameter_two_models_share_its_fp32_master_in_both(
     for index in (0, 1):
         weight = consolidate(tmp_path / "ckpt", index)["0.weight"]
         assert torch.equal(weight, master.view_as(weight)), index
+
+
+class CheckpointedBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.GELU()) for _ in range(2)))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _ac_train_and_save(directory, wrapped) -> None:
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = CheckpointedBlocks()
+    if wrapped:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+            check_fn=lambda m: isinstance(m, nn.Sequential) and len(m) == 2,
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    for step in range(3):
+        x, y = batch(step, 0, 1)
+        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, model, opt)
+
+
+def test_activation_checkpoint_wrappers_do_not_rename_the_checkpoint_or_lose_the_masters(tmp_path):
+    """torch's CheckpointWrapper strips ``_checkpoint_wrapped_module.`` from state_dict keys but
+    not from named_parameters: the manifest's aliases missed, consolidate gave the bf16 weights
+    instead of the FP32 masters (9.5e-4 off), and loading into the unwrapped model was refused
+    (an audit). Named by state_dict key now, the two checkpoints are the same."""
+    _ac_train_and_save(tmp_path / "plain", False)
+    _ac_train_and_save(tmp_path / "wrapped", True)
+    plain, wrapped = consolidate(tmp_path / "plain"), consolidate(tmp_path / "wrapped")
+    assert sorted(plain) == sorted(wrapped)
+    for key in plain:
+        assert torch.equal(plain[key], wrapped[key]), key
+    # Not bf16 values: the FP32 masters.
+    assert not torch.equal(wrapped["head.weight"], wrapped["head.weight"].bfloat16().float())
+    # The wrapped run's checkpoint loads into the plain model, masters and all.
+    net = CheckpointedBlocks()
+    net, opt = distamp.wrap(net, torch.optim.AdamW(net.parameters()), opt_level="O2", verbosity=0)
+    distamp.load_checkpoint(tmp_path / "wrapped", net, opt)
+    distamp.save_checkpoint(tmp_path / "again", net, opt)
+    again = consolidate(tmp_path / "again")
+    for key in plain:
+        assert torch.equal(plain[key], again[key]), key

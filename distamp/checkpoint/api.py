@@ -6,6 +6,7 @@ See [Note: canonical checkpoint layout] (state.py) for what is stored and
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import time
@@ -83,6 +84,7 @@ class _Target:
         if not raw_models or not raw_opts:
             raise ValueError(f"{what}: expected at least one model and one optimizer")
         self.models = [unwrap_model(m) for m in raw_models]
+        self.synced_buffers = [_broadcasts_buffers(m) for m in raw_models]
         self.names = param_names(self.models)
         self.views = optimizer_views(raw_opts, self.names)
         for view in self.views:  # the weights a step is still gathering (overlap_gather)
@@ -170,7 +172,9 @@ def save_checkpoint(
     state_dict, manifest = agree(
         "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
-    agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank), pg)
+    own = _buffers_apart(target)
+    manifest["rank_buffers"] = sorted(own)
+    agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank, own), pg)
     try:
         with files.quiet_single_process(not target.distributed()):
             dcp.save(
@@ -387,8 +391,61 @@ def _collect(
     return sd, manifest
 
 
-def _save_rng(tmp: Path, rank: int) -> None:
+def _broadcasts_buffers(model: nn.Module) -> bool:
+    """Whether ``model`` (or a DDP inside ``torch.compile``) is a DDP that broadcasts rank 0's
+    buffers at every forward, which makes any other rank's buffers moot."""
+    while True:
+        if type(model).__name__ == "DistributedDataParallel":
+            # torch 2.13 renamed broadcast_buffers (still a property) forward_sync_buffers
+            synced = getattr(model, "forward_sync_buffers", None)
+            return bool(getattr(model, "broadcast_buffers", False) if synced is None else synced)
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        model = inner
+
+
+def _buffers_apart(target: _Target) -> dict[str, torch.Tensor]:
+    """Collective: this rank's buffers whose values differ between the ranks, by their key in
+    the checkpoint.
+
+    [Note: buffers that differ between ranks] The checkpoint holds rank 0's plain tensors, and
+    every rank loads them. Where buffers are rank-local — BatchNorm statistics under FSDP (which
+    never syncs buffers) or ``DDP(broadcast_buffers=False)`` — a resume gave every rank rank 0's
+    statistics (an audit: rank 1's running_mean 1.7e-2 off the uninterrupted run's), breaking
+    the bit-exact resume. So the ranks compare a digest of each buffer, and each rank writes
+    the ones that differ into its own rank file, restored at the same world size; at another
+    world size every rank takes rank 0's, with a warning naming them. Not for a DDP that
+    broadcasts buffers (its next forward hands out rank 0's anyway)."""
+    if not target.distributed():
+        return {}
+    mine: dict[str, torch.Tensor] = {}
+    for i, (model, synced) in enumerate(zip(target.models, target.synced_buffers, strict=True)):
+        if synced:
+            continue
+        live = live_state_dict(model)
+        for name, _ in model.named_buffers():
+            value = live.get(name)
+            if isinstance(value, torch.Tensor) and not is_dtensor(value):
+                mine[f"model.{i}.{name}"] = value
+    digests = {key: _digest(value) for key, value in mine.items()}
+    seen: list[Any] = [None] * target.world
+    dist.all_gather_object(seen, digests, group=target.pg)
+    apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
+    return {key: mine[key] for key in sorted(apart)}
+
+
+def _digest(value: torch.Tensor) -> str:
+    flat = value.detach().reshape(-1).cpu().contiguous()
+    return hashlib.sha256(bytes(flat.clone().view(torch.uint8).untyped_storage())).hexdigest()
+
+
+def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:
+    """This rank's file: its RNG states, and its buffers that differ from other ranks' (see
+    [Note: buffers that differ between ranks])."""
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if buffers:
+        state["buffers"] = {key: value.detach().cpu().clone() for key, value in buffers.items()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     version, internal, gauss = random.getstate()
@@ -507,6 +564,11 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
         raise CheckpointError(
             f"load_checkpoint: {directory}: reading the shards failed: {_dcp_failures(exc)}"
         ) from exc
+    agree(
+        "load_checkpoint: this rank's buffers",
+        lambda: _own_buffers_into(dest, manifest, directory, target),
+        pg,
+    )
     install(dest)
     for view in target.views:
         if view.st is not None:
@@ -760,6 +822,34 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
                     scaler.load_state_dict(saved)
 
     return dest, install
+
+
+def _own_buffers_into(
+    dest: dict[str, Any], manifest: dict[str, Any], directory: Path, target: _Target
+) -> None:
+    """Replace rank 0's values of the buffers that differed between the ranks at save with this
+    rank's own (same world size), or warn that every rank gets rank 0's (see [Note: buffers
+    that differ between ranks])."""
+    keys = [k for k in manifest.get("rank_buffers", []) if k in dest]
+    if not keys:
+        return
+    if manifest["world_size"] != target.world:
+        if target.rank == 0:
+            names = [k.split(".", 2)[2] for k in keys]
+            warnings.warn(
+                f"load_checkpoint: buffers {names[:4]}{' and more' if len(names) > 4 else ''} "
+                f"held other values on each of the {manifest['world_size']} ranks that saved "
+                f"them; at world size {target.world} every rank gets rank 0's",
+                stacklevel=3,
+            )
+        return
+    path = directory / f"rng-{target.rank}.pt"
+    saved = torch.load(path, weights_only=True).get("buffers", {})
+    for key in keys:
+        value = saved.get(key)
+        if not isinstance(value, torch.Tensor) or value.shape != dest[key].shape:
+            raise CheckpointError(f"{path}: expected this rank's buffer {key!r}, found none")
+        dest[key] = value.to(dest[key].dtype)
 
 
 def _flat_device(flat: FlatGroup) -> torch.device:

@@ -115,9 +115,21 @@ def param_names(models: list[nn.Module]) -> dict[int, str]:
     """id(param) -> qualified name, as ``distamp.wrap`` names them."""
     names: dict[int, str] = {}
     for i, model in enumerate(models):
+        keyed = _state_keys(model)
         for pname, param in model.named_parameters():
+            pname = keyed.get(id(param), pname)
             names.setdefault(id(param), pname if len(models) == 1 else f"models[{i}].{pname}")
     return names
+
+
+def _state_keys(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its key in model.state_dict(): wrappers such as torch's
+    CheckpointWrapper rename their children's keys in a state_dict post-hook."""
+    out: dict[int, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter):
+            out.setdefault(id(value), key)
+    return out
 
 
 def model_entry(
@@ -130,12 +142,17 @@ def model_entry(
     model's alias missed its FP32 master and ``consolidate`` gave it the half weight (an
     audit: an embedding shared by an encoder and a decoder at O2 came back rounded to bf16)."""
     canonical: dict[int, str] = dict(names or {})
+    keyed = _state_keys(model)
     for pname, param in model.named_parameters():
+        pname = keyed.get(id(param), pname)
         canonical.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
     aliases = {
         pname: canonical[id(param)]
         for pname, param in model.named_parameters(remove_duplicate=False)
     }
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter) and id(value) in canonical:
+            aliases[key] = canonical[id(value)]
     keys: dict[str, list[Any]] = {}
     for key, value in live_state_dict(model).items():
         if not isinstance(value, torch.Tensor):

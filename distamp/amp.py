@@ -335,8 +335,9 @@ def disable_casts() -> Iterator[None]:
     try:
         with contextlib.ExitStack() as stack:
             for device in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device):
-                    stack.enter_context(torch.autocast(device, enabled=False))
+                if device == "cpu" or torch.cuda.is_available():
+                    # cache off: the mark a recomputation finds (see casting.casts_off)
+                    stack.enter_context(torch.autocast(device, enabled=False, cache_enabled=False))
             yield
     finally:
         casting.CASTS_OFF.reset(token)

@@ -140,6 +140,21 @@ def saturating_cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(tensor.isinf(), tensor, tensor.clamp(-big, big)).to(dtype)
 
 
+def casts_off(device_type: str) -> bool:
+    """Inside ``amp.disable_casts()``, or in a recomputation of a call made there.
+
+    [Note: casts off in a recomputation] ``torch.utils.checkpoint`` recomputes a forward during
+    backward, outside the block, restoring only torch's own autocast state: the recomputation
+    ran in bf16 (reentrant: gradients 4.4e-3 off the forward's FP32; non-reentrant: a
+    CheckpointError about dtypes, an audit). So the block also enters ``torch.autocast(
+    enabled=False, cache_enabled=False)``, which the checkpoint restores, and autocast disabled
+    with its cache off counts as the block (elsewhere that pairing is autocast turned off inside
+    a cache-less one, the CUDA-graphs recipe: there too the caller asked for no casting)."""
+    if CASTS_OFF.get():
+        return True
+    return not torch.is_autocast_enabled(device_type) and not torch.is_autocast_cache_enabled()
+
+
 class AmpModule(nn.Module):
     """Mixin placed in front of a wrapped model's class; see [Note: class-level forward]."""
 
@@ -158,8 +173,8 @@ class AmpModule(nn.Module):
                 kwargs = cast_floating(kwargs, policy.input_dtype, saturate=True)
         # torch.compile does not trace a context variable: a compiled forward keeps its autocast
         # (amp.disable_casts around a compiled call does not reach inside it).
-        casts_off = not torch.compiler.is_compiling() and CASTS_OFF.get()
-        if policy.autocast_dtype is not None and not casts_off:
+        off = not torch.compiler.is_compiling() and casts_off(policy.device_type)
+        if policy.autocast_dtype is not None and not off:
             with torch.autocast(policy.device_type, dtype=policy.autocast_dtype):
                 output = super().forward(*args, **kwargs)
         else:

@@ -205,3 +205,26 @@ def test_apex_checkpoint_recipe_with_amp_disabled_is_a_no_op():
     amp.load_state_dict(saved)
     with pytest.warns(UserWarning, match=r"made no loss scalers.*loss_scaler0"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}})
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_disable_casts_reaches_the_recomputation_of_an_activation_checkpoint(reentrant):
+    """torch.utils.checkpoint recomputes the forward in backward, outside the block: it ran in
+    bf16 (reentrant: gradients 4.4e-3 off; non-reentrant: a CheckpointError about dtypes, an
+    audit). The gradients are now those of the same call without the checkpoint, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(checkpointed):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        x = torch.randn(6, 8, requires_grad=True)
+        with amp.disable_casts():
+            out = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+        assert out.dtype == torch.float32
+        out.square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(got, want)

@@ -346,10 +346,9 @@ def killed_during_save(rank, world, root, side):
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, side)
     train(model, opt, sched, rank, world, 3, 5)
     if rank == 1:
-        marker = Path(directory + ".incomplete") / "rng-1.pt"
 
         def kill_when_writing():
-            while not marker.exists():
+            while not list(Path(root).glob("ckpt.incomplete-*/rng-1.pt")):
                 time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -368,11 +367,46 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path):
     root, side = str(tmp_path / "run"), str(tmp_path / "at3.pt")
     with pytest.raises(AssertionError, match=r"rank 1: no result \(exit code -9\)"):
         run_ranks(killed_during_save, 2, root, side, timeout=120)
-    assert (tmp_path / "run" / "ckpt.incomplete").is_dir()  # the interrupted save
+    (interrupted,) = (tmp_path / "run").glob("ckpt.incomplete-*")  # the interrupted save
     assert distamp.latest_checkpoint(root) == os.path.join(root, "ckpt")
     latest, extra, weights = run_ranks(load_latest, 2, root)[0]
     assert latest == os.path.join(root, "ckpt") and extra == {"step": 3}
     assert_same(weights, torch.load(side, weights_only=True))
+    # The next save of that path, by other processes of this host, removes the killed one's.
+    run_ranks(save_small, 2, os.path.join(root, "ckpt"))
+    assert not interrupted.exists() and not list(Path(root).glob("*.incomplete*"))
+
+
+def test_a_save_of_a_path_another_live_process_is_saving_is_refused_naming_it(tmp_path):
+    """Two jobs saving one path shared one temporary folder, each removing the other's files:
+    one committed a manifest of its own over the other's tensors, silently (an audit). Each
+    save has a folder of its own now; one whose process runs is refused, naming it; one of
+    another host is never read and is left alone."""
+    import socket
+
+    import distamp.checkpoint.files as files
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        owner = f"{socket.gethostname()}-{other.pid}-{files._process_start(other.pid)}"
+        busy = tmp_path / f"c.incomplete-{owner}"
+        busy.mkdir()
+        (busy / "__0_0.distcp").write_bytes(b"the other job's tensors")
+        with pytest.raises(CheckpointError, match=rf"another in progress: process {other.pid} "):
+            distamp.save_checkpoint(tmp_path / "c", model, opt, extra={"step": 2})
+        assert sorted(p.name for p in tmp_path.iterdir()) == [busy.name]  # nothing touched
+    finally:
+        other.kill()
+        other.wait()
+    foreign = tmp_path / "c.incomplete-elsewhere-7-123"
+    foreign.mkdir()
+    (foreign / "__1_0.distcp").write_bytes(b"another host's save")
+    distamp.save_checkpoint(tmp_path / "c", model, opt, extra={"step": 2})  # busy's process died
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", foreign.name]
+    assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "c")
+    assert distamp.load_checkpoint(tmp_path / "c", *make("O2")[:2]) == {"step": 2}
 
 
 # -- damaged files, other model, other opt_level --------------------------------------------------
@@ -456,7 +490,7 @@ def test_extra_must_be_plain_data(tmp_path):
     model, opt, _ = make("O2")
     with pytest.raises(CheckpointError, match=r"extra\['hook'\]: expected plain data .* function"):
         distamp.save_checkpoint(tmp_path / "c", model, opt, extra={"hook": lambda: 0})
-    assert not (tmp_path / "c").exists() and not (tmp_path / "c.incomplete").exists()
+    assert sorted(tmp_path.iterdir()) == []
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
@@ -680,7 +714,7 @@ def test_two_saves_killed_in_a_row_leave_the_last_complete_checkpoint(tmp_path, 
     real_rename = os.rename
 
     def killed_at_the_second_rename(src, dst):
-        if str(src).endswith(files.INCOMPLETE):
+        if files.INCOMPLETE in str(src):
             raise KeyboardInterrupt("killed")  # the process dies here
         real_rename(src, dst)
 
@@ -1065,7 +1099,7 @@ def test_a_per_rank_extra_warns_and_ranks_saving_apart_are_named(tmp_path):
     messages = run_ranks(_per_rank_extra_and_paths, 2, str(tmp_path), "paths")
     for message in messages:
         assert message is not None and "expected every rank to save to the folder rank 0" in message
-        assert "run-1.incomplete from rank 1" in message, message
+        assert re.search(r"run-1\.incomplete-\S+ from rank 1", message), message
 
 
 @pytest.mark.parametrize("saved_enabled", [False, True])

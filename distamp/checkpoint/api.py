@@ -159,8 +159,14 @@ def save_checkpoint(
     plain_extra = agree("save_checkpoint: extra", lambda: check_plain(extra or {}, "extra"), pg)
     if target.distributed():
         _warn_if_extra_differs(plain_extra, target, pg)
-    agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
-    tmp = directory.with_name(directory.name + files.INCOMPLETE)
+    made = agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
+    if target.distributed():  # its name (see [Note: one temporary folder per save])
+        box = [made]
+        dist.broadcast_object_list(box, group=pg, group_src=0)
+        made = box[0]
+    assert made is not None
+    # This rank's own path, rank 0's suffix: ranks given different paths are named by _see_tmp.
+    tmp = directory.with_name(directory.name + made)
     agree("save_checkpoint: the folder rank 0 made", lambda: _see_tmp(tmp, target.rank), pg)
 
     local_info = agree("save_checkpoint: reading optimizer state", lambda: _flat_info(target), pg)
@@ -202,7 +208,14 @@ def save_checkpoint(
             return
         manifest["files"] = {k: v for s in shares for k, v in s.items()}
         files.write_manifest_and_commit(tmp, manifest)
-        files.commit(tmp, directory)
+        try:
+            files.commit(tmp, directory)
+        except OSError as exc:
+            raise CheckpointError(
+                f"save_checkpoint: could not move the finished {tmp} into place as {directory} "
+                f"({exc}): expected no other save of that path at the same time (another job "
+                f"or host committed one meanwhile?); this save is left complete in {tmp}"
+            ) from exc
 
     agree("save_checkpoint: committing", finish, pg)
     return str(given)
@@ -257,8 +270,9 @@ def _see_tmp(tmp: Path, rank: int) -> None:
     )
 
 
-def _prepare(directory: Path, rank: int) -> None:
-    """Rank 0 creates the empty temporary directory; the others wait for it in ``agree``.
+def _prepare(directory: Path, rank: int) -> str | None:
+    """Rank 0 creates the empty temporary directory and returns its name's suffix after the
+    checkpoint's own; the others wait for it in ``agree``.
 
     An existing ``directory`` is replaced only when it is a committed checkpoint or empty: a
     DeepSpeed habit, ``save_checkpoint(save_dir)`` with the run's root folder, deleted every
@@ -275,7 +289,8 @@ def _prepare(directory: Path, rank: int) -> None:
                     f"save into a subfolder such as {directory / 'step_100'}"
                 )
         directory.parent.mkdir(parents=True, exist_ok=True)
-        files.prepare_tmp(directory)
+        return files.prepare_tmp(directory).name[len(directory.name) :]
+    return None
 
 
 def _flat_info(target: _Target) -> dict[tuple[int, int], dict[str, Any]]:

@@ -1,11 +1,12 @@
 """The files of a checkpoint directory: atomic commit, checksums, the manifest, rank agreement.
 
-[Note: atomic checkpoints] Every rank writes into ``<directory>.incomplete``; once all ranks have
-finished, the files are hashed (each rank hashes its share), rank 0 writes the manifest
+[Note: atomic checkpoints] Every rank writes into ``<directory>.incomplete-<owner>`` (see [Note: one
+temporary folder per save]); once all ranks have finished, the files are hashed (each rank hashes
+its share), rank 0 writes the manifest
 (``distamp.pt``) holding every file's size and SHA-256, then ``COMMIT`` holding the manifest's own
 SHA-256, and renames the directory into place. A directory is a checkpoint iff its ``COMMIT``
 matches its manifest: a save killed at any point leaves either the previous checkpoint or a
-``.incomplete`` directory that :func:`latest_checkpoint` ignores. Overwriting ``directory`` moves
+``.incomplete-*`` directory that :func:`latest_checkpoint` ignores. Overwriting ``directory`` moves
 the old one to ``<directory>.old`` first and deletes it only after the rename, so a crash between
 the two renames still leaves a complete checkpoint on disk.
 
@@ -19,9 +20,11 @@ written and read as plain data (see [Note: no pickle in a checkpoint] in metadat
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
+import socket
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -242,11 +245,68 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def is_temporary(name: str) -> bool:
+    """A save's temporary folder (``<name>.incomplete-<owner>``; an older distamp's: without
+    the owner)."""
+    return name.endswith(INCOMPLETE) or INCOMPLETE + "-" in name
+
+
+def _process_start(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, from /proc), "0" where unknown: with
+    the pid it names one process, not a later one that reused the number."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{_process_start(os.getpid())}"
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: it exists
+        pass
+    return start == "0" or _process_start(pid) == start
+
+
 def prepare_tmp(directory: Path) -> Path:
-    """Rank 0: an empty ``<directory>.incomplete`` (a stale one from a killed save is removed)."""
-    tmp = directory.with_name(directory.name + INCOMPLETE)
-    if tmp.exists() or tmp.is_symlink():
-        remove(tmp)
+    """Rank 0: an empty temporary folder for this save, ``<directory>.incomplete-<host>-<pid>-
+    <start>``, after removing those of killed saves.
+
+    [Note: one temporary folder per save] All saves of a path once shared ``<directory>
+    .incomplete``, each removing it as stale: two jobs saving one path at once deleted each
+    other's files, hashed each other's, and committed a checkpoint whose manifest was one job's
+    and whose tensors were the other's, silently (an audit). Now each save writes and hashes
+    its own folder, named by the process that made it: one of this host whose process is gone
+    (or is this one: an earlier save that raised) is a killed save's and is removed; one whose
+    process still runs is a save in progress, and this save is refused, naming it. One of
+    another host is left alone (whether it runs cannot be told from here): it is never read,
+    and latest_checkpoint ignores it."""
+    host = socket.gethostname()
+    prefix = directory.name + INCOMPLETE
+    for other in directory.parent.glob(glob.escape(prefix) + "*"):
+        if other.name == prefix:  # an older distamp's, of a killed save
+            remove(other)
+            continue
+        parts = other.name[len(prefix) + 1 :].rsplit("-", 2)
+        if not other.name.startswith(prefix + "-") or len(parts) != 3 or parts[0] != host:
+            continue
+        pid, start = int(parts[1]) if parts[1].isdigit() else -1, parts[2]
+        if pid == os.getpid() or pid < 0 or not _alive(pid, start):
+            remove(other)
+            continue
+        raise CheckpointError(
+            f"save_checkpoint: expected one save of {directory} at a time, found another in "
+            f"progress: process {pid} on this host is writing {other} (if no such save runs, "
+            "delete that folder)"
+        )
+    tmp = directory.with_name(f"{prefix}-{_owner()}")
     tmp.mkdir(parents=True)
     return tmp
 
@@ -269,7 +329,7 @@ def commit(tmp: Path, directory: Path) -> None:
 def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest committed checkpoint directly under ``root`` (highest step, then newest), or None.
 
-    Directories of saves that did not finish (``*.incomplete``) and directories whose ``COMMIT``
+    Directories of saves that did not finish (``*.incomplete-*``) and directories whose ``COMMIT``
     does not match their manifest are ignored; one whose data files are missing or cut short is
     skipped with a warning (the next newest is returned). Not a collective: any rank may call it.
     """
@@ -287,7 +347,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, warn: bool = False) -> lis
         return []
     candidates: list[tuple[tuple[int, float, str], dict[str, Any]]] = []
     for child in base.iterdir():
-        if not child.is_dir() or child.name.endswith(INCOMPLETE):
+        if not child.is_dir() or is_temporary(child.name):
             continue
         try:
             manifest = read_manifest(child)

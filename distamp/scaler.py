@@ -326,6 +326,9 @@ class ScalerGroup:
         self.total_skips = 0
         self.loss_skips = 0
         """Skips whose loss itself was non-finite (logged on their own count)."""
+        self.unscaled_skips = 0
+        """Consecutive skips after backwards outside ``scale_loss`` (no loss scaler counts them:
+        see :meth:`after_skip`); a step taken resets it."""
         self.last_nonfinite: NonFiniteReport | None = None
         self.found_inf_collectives = 0
         """All-reduces issued for the skip decision (at most one per optimizer step)."""
@@ -900,6 +903,19 @@ class ScalerGroup:
                 scales,
             )
         limit = self.props.max_consecutive_skips
+        if not st.backwards:
+            # A framework's backward (the Trainer's, accelerate's, Lightning's automatic
+            # optimization) opens no block, so no loss scaler counted its skips: an inf on one
+            # rank skipped every step forever and the run "finished" having trained nothing (an
+            # audit). Counted here, against the same limit.
+            self.unscaled_skips += 1
+            if self.unscaled_skips >= limit:
+                raise NonFiniteGradientError(
+                    f"{self.unscaled_skips} consecutive optimizer steps were skipped after "
+                    f"backwards outside distamp.scale_loss (no loss scale to lower): {what}. Look "
+                    "for a NaN/inf produced by the forward pass or the loss itself "
+                    "(max_consecutive_skips sets this limit)"
+                )
         for j in loss_ids:
             scaler = self.scalers[j]
             if scaler.consecutive_skips >= limit or scaler.skipped_at_floor:

@@ -148,3 +148,44 @@ def test_skip_at_min_loss_scale_raises_on_every_rank():
     assert messages[0] == messages[1] and messages[0] is not None
     assert "minimum loss scale 16384" in messages[0]
     assert "'0.weight'" in messages[0] and "rank 0" in messages[0] and "inf" in messages[0]
+
+
+def _framework_backward(rank, world, faulty_steps):
+    """The Trainer's, accelerate's, Lightning's backward: outside scale_loss (bf16, no loss
+    scale), a NaN in rank 1's loss at ``faulty_steps``."""
+    import warnings
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, max_consecutive_skips=4)
+    ddp = DDP(model)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "backward without distamp.scale_loss"
+        try:
+            for step, (x, y) in enumerate(data(12, PER_RANK * world)):
+                mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                loss = F.mse_loss(ddp(x[mine]), y[mine])
+                if rank == 1 and step in faulty_steps:
+                    loss = loss * float("nan")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                skipped.append(distamp.stats(opt).last_step_skipped)
+        except distamp.NonFiniteGradientError as err:
+            return skipped, str(err)
+    return skipped, None
+
+
+def test_endless_skips_after_a_framework_backward_stop_too():
+    """No scale_loss block, so no loss scaler counted the skips: a NaN on one rank every step
+    skipped every step forever and the run ended "fine" having trained nothing (an audit). The
+    group counts them against max_consecutive_skips; a step taken starts the count again."""
+    for skipped, message in run_ranks(_framework_backward, 2, set(range(12))):
+        assert skipped == [True] * 3, skipped
+        assert message is not None and "4 consecutive optimizer steps were skipped" in message
+        assert "outside distamp.scale_loss" in message and "NaN gradient" in message, message
+    intermittent = {0, 1, 2, 4, 5, 6, 8, 9, 10}  # three in a row at most
+    for skipped, message in run_ranks(_framework_backward, 2, intermittent):
+        assert message is None, message
+        assert [i for i, s in enumerate(skipped) if s] == sorted(intermittent)

@@ -229,6 +229,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.skipped_steps += 1
                 st.group.after_skip(st)
             else:
+                st.group.unscaled_skips = 0  # see ScalerGroup.after_skip
                 _step_and_copy(self, st)
         finally:
             st.in_step = False

@@ -174,6 +174,17 @@ def check_optimizers(
             raise ValueError(
                 f"{where} was already wrapped by distamp.wrap; wrap each optimizer once"
             )
+        held = getattr(opt, "optimizer", None)
+        if isinstance(held, torch.optim.Optimizer) and not isinstance(held, AmpOptimizer):
+            # accelerate's AcceleratedOptimizer (and Lightning's LightningOptimizer): a torch
+            # Optimizer subclass whose Optimizer.__init__ never ran; wrapped, its first step
+            # failed with an AttributeError deep in distamp (an audit).
+            raise ValueError(
+                f"{where}: expected the plain torch optimizer, found a "
+                f"{type(opt).__name__} holding a {type(held).__name__} (a framework's wrapper, "
+                "e.g. accelerator.prepare's): call distamp.wrap before the framework prepares "
+                "the model and optimizer, with the plain ones"
+            )
         if isinstance(opt, torch.optim.LBFGS):
             raise ValueError(
                 f"{where}: expected an optimizer that steps on the gradients of one backward, "

@@ -377,3 +377,18 @@ def test_a_framework_optimizer_holding_the_wrapped_one_is_taken_for_it(level):
     opt.step()
     opt.zero_grad()
     assert distamp.stats(opt).steps == 1 and distamp.stats(opt) == distamp.stats(inner)
+
+
+def test_an_optimizer_a_framework_prepared_before_wrap_is_refused_naming_the_order():
+    """accelerator.prepare(optimizer) before distamp.wrap: wrap took the AcceleratedOptimizer
+    (an Optimizer whose __init__ never ran) and the first step failed with AttributeError
+    '_optimizer_step_pre_hooks' deep inside distamp (an audit). Refused at wrap, nothing
+    changed."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared = FrameworkOptimizer(inner)
+    with pytest.raises(ValueError, match=r"found a FrameworkOptimizer holding a SGD .* before"):
+        distamp.wrap(model, prepared, opt_level="O2", verbosity=0)
+    assert type(inner) is torch.optim.SGD and all(
+        p.dtype == torch.float32 for p in model.parameters()
+    )

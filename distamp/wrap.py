@@ -834,9 +834,22 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
         raise RuntimeError(
             "unscale_() was called but no distamp.scale_loss() backward ran on this optimizer since "
             "the last step(); expected `with distamp.scale_loss(loss, optimizer) as s: "
-            "s.backward()` first"
+            "s.backward()` first" + _after_framework_backward(st)
         )
     unscale_now(st, "distamp.unscale_()")
+
+
+def _after_framework_backward(st: Any) -> str:
+    """What to do instead, when a backward outside ``scale_loss`` (a framework's) did run."""
+    if not st.backward_since_step:
+        return ""
+    return (
+        ". A backward did run, outside scale_loss (a framework's: Lightning's automatic "
+        "optimization, accelerate's, the Trainer's): its gradients are unscaled already (scale "
+        "1.0) and in the model's .grad, so clip them with torch.nn.utils.clip_grad_norm_("
+        "model.parameters(), max_norm) (in Lightning, override configure_gradient_clipping so); "
+        "step() takes what the clip changed"
+    )
 
 
 def clip_grad_norm_(
@@ -872,7 +885,7 @@ def clip_grad_norm_(
     elif st.state is OptState.READY:
         raise RuntimeError(
             "clip_grad_norm_() was called but no distamp.scale_loss() backward ran on this "
-            "optimizer since the last step()"
+            "optimizer since the last step()" + _after_framework_backward(st)
         )
     if st.overflow:
         return torch.tensor(float("inf"))

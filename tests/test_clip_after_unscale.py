@@ -87,6 +87,43 @@ def test_torch_clip_grad_norm_after_unscale_clips_what_the_optimizer_steps(
         torch.testing.assert_close(stepped, -full * MAX_NORM / full.norm(), rtol=1e-2, atol=1e-4)
 
 
+def _framework_clip_step(rank, world, shard):
+    """Lightning's automatic optimization with configure_gradient_clipping overridden: backward
+    outside scale_loss, then torch's clip over the model's parameters, then step()."""
+    model = Probes()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    model(G, H).float().backward()
+    refused = []
+    for call in (distamp.unscale_, lambda o: distamp.clip_grad_norm_(o, MAX_NORM)):
+        with pytest.raises(RuntimeError) as err:
+            call(opt)
+        refused.append(str(err.value))
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "step() without distamp.scale_loss()"
+        opt.step()
+    weights = torch.cat([model.a.w.detach().float(), model.ln.weight.detach().float()])
+    return {"stepped": weights, "total": total.float(), "refused": refused}
+
+
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)], ids=["replicated", "sharded"])
+def test_after_a_framework_backward_distamp_s_clip_points_to_torch_s_which_is_stepped(shard, world):
+    """Lightning's gradient_clip_val clips param_groups before the masters have gradients; the
+    README's route is torch's clip over model.parameters() in configure_gradient_clipping.
+    distamp's unscale_/clip_grad_norm_ there said only "no scale_loss backward ran" though one
+    had (an audit): they now say what to call instead, and that call is what steps."""
+    full = torch.cat([G, H]) / 8
+    for r in run_ranks(_framework_clip_step, world, shard, timeout=120):
+        for message in r["refused"]:
+            assert "A backward did run, outside scale_loss" in message, message
+            assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)" in message
+        assert r["total"].item() == pytest.approx(full.norm().item(), rel=1e-2)
+        torch.testing.assert_close(
+            r["stepped"], -full * MAX_NORM / full.norm(), rtol=1e-2, atol=1e-4
+        )
+
+
 @pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)], ids=["replicated", "sharded"])
 def test_a_gradient_removed_after_unscale_is_not_stepped(shard, world):
     for r in run_ranks(_clip_step, world, "O2", torch.bfloat16, shard, "drop", timeout=120):

@@ -255,7 +255,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             "its optimizer.state_dict() (plain tensors with the FP32 masters and loss scales; "
             "restore with optimizer.load_state_dict) or distamp.save_checkpoint(path, model, "
             "optimizer), found the optimizer object itself, whose FP32 masters, loss scalers "
-            "and process group a pickle or copy does not carry"
+            "and process group a pickle or copy does not carry. A deepcopy of a module that "
+            "holds the optimizer as an attribute (Lightning's EMA/WeightAveraging and "
+            "StochasticWeightAveraging callbacks, copy.deepcopy(lightning_module)) lands here "
+            "too: keep the optimizer off the module (return it from configure_optimizers, or "
+            "hold it where the copy does not reach)"
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

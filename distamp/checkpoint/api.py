@@ -438,11 +438,11 @@ def _buffers_apart(target: _Target) -> dict[str, torch.Tensor]:
     for i, (model, synced) in enumerate(zip(target.models, target.synced_buffers, strict=True)):
         if synced:
             continue
-        live = live_state_dict(model)
-        for name, _ in model.named_buffers():
-            value = live.get(name)
-            if isinstance(value, torch.Tensor) and not is_dtensor(value):
-                mine[f"model.{i}.{name}"] = value
+        # By identity, under their state_dict keys (a CheckpointWrapper renames those).
+        buffers = {id(b) for b in model.buffers()}
+        for key, value in model.state_dict(keep_vars=True).items():
+            if id(value) in buffers and not is_dtensor(value):
+                mine[f"model.{i}.{key}"] = value.detach()
     digests = {key: _digest(value) for key, value in mine.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)

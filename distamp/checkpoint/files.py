@@ -2,13 +2,13 @@
 
 [Note: atomic checkpoints] Every rank writes into ``<directory>.incomplete-<owner>`` (see [Note: one
 temporary folder per save]); once all ranks have finished, the files are hashed (each rank hashes
-its share), rank 0 writes the manifest
-(``distamp.pt``) holding every file's size and SHA-256, then ``COMMIT`` holding the manifest's own
-SHA-256, and renames the directory into place. A directory is a checkpoint iff its ``COMMIT``
-matches its manifest: a save killed at any point leaves either the previous checkpoint or a
-``.incomplete-*`` directory that :func:`latest_checkpoint` ignores. Overwriting ``directory`` moves
-the old one to ``<directory>.old`` first and deletes it only after the rename, so a crash between
-the two renames still leaves a complete checkpoint on disk.
+its share), rank 0 writes the manifest (``distamp.pt``) holding every file's size and SHA-256,
+then ``COMMIT`` holding the manifest's own SHA-256, and renames the directory into place. A
+directory is a checkpoint iff its ``COMMIT`` matches its manifest: a save killed at any point
+leaves either the previous checkpoint or a ``.incomplete-*`` directory that
+:func:`latest_checkpoint` ignores. Overwriting ``directory`` moves the old one to
+``<directory>.old`` first and deletes it only after the rename, so a crash between the two
+renames still leaves a complete checkpoint on disk.
 
 [Note: verify before reading] On load, the files are hashed against the manifest before DCP opens
 them. That catches truncation and flipped bytes with a message naming the file. No file of a

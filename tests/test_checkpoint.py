@@ -277,6 +277,32 @@ def test_buffers_that_differ_between_ranks_resume_as_each_ranks_own(tmp_path, ho
     assert "every rank gets rank 0's" in warned[0]
 
 
+def _ignored_run(rank, world, directory, ignore):
+    model, opt, _ = make("O2", shard=False)
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["fc2.weight"])
+    ddp = DDP(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, rank, world)
+            with distamp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        distamp.save_checkpoint(directory, ddp, opt)
+    return [str(w.message) for w in caught if "which DDP ignores" in str(w.message)]
+
+
+def test_parameters_ddp_ignores_that_differ_between_ranks_are_warned_about_at_save(tmp_path):
+    """Unreduced (ignored) parameters differ between ranks by design (expert parallelism); the
+    checkpoint keeps one value of each, pieced from the ranks' replicated masters: not even rank
+    0 got its own back, silently (an audit). Every rank warns, naming them; nothing otherwise."""
+    for warned in run_ranks(_ignored_run, 2, str(tmp_path / "a"), True):
+        assert len(warned) == 1 and "['fc2.weight']" in warned[0], warned
+    assert run_ranks(_ignored_run, 2, str(tmp_path / "b"), False) == [[], []]
+
+
 # -- resharding ---------------------------------------------------------------------------------
 
 

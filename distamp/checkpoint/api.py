@@ -180,6 +180,7 @@ def save_checkpoint(
     )
     own = _buffers_apart(target)
     manifest["rank_buffers"] = sorted(own)
+    _warn_if_ignored_parameters_differ(target)
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank, own), pg)
     try:
         with files.quiet_single_process(not target.distributed()):
@@ -448,6 +449,33 @@ def _buffers_apart(target: _Target) -> dict[str, torch.Tensor]:
     dist.all_gather_object(seen, digests, group=target.pg)
     apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
     return {key: mine[key] for key in sorted(apart)}
+
+
+def _warn_if_ignored_parameters_differ(target: _Target) -> None:
+    """Collective: parameters DDP was told to ignore may hold other values on each rank (expert
+    parallelism: each rank its own experts), but the checkpoint holds one value of each — with
+    replicated masters pieced together from the ranks' copies, so that not even rank 0 got its
+    own back (an audit). Every rank warns, naming them."""
+    group = target.scaler_group
+    if group is None or not target.distributed():
+        return
+    ignored = group.ddp_ignored()
+    if not ignored:
+        return
+    params = {id(p): p for model in target.models for p in model.parameters() if id(p) in ignored}
+    mine = {target.names.get(i, "?"): _digest(p) for i, p in sorted(params.items())}
+    seen: list[Any] = [None] * target.world
+    dist.all_gather_object(seen, mine, group=target.pg)
+    differ = sorted(k for k, d in mine.items() if any(other.get(k) != d for other in seen))
+    if differ:
+        warnings.warn(
+            f"save_checkpoint: parameters {differ[:4]}{' and more' if len(differ) > 4 else ''}, "
+            "which DDP ignores, hold other values on each rank, and a checkpoint keeps one value "
+            "of each (pieced from the ranks' copies, not any rank's own): expected them equal "
+            f"across the ranks (this is rank {target.rank}); save per-rank parameters in a "
+            "file of each rank's own",
+            stacklevel=3,
+        )
 
 
 def _digest(value: torch.Tensor) -> str:

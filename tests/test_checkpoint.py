@@ -72,8 +72,10 @@ def batch(step, rank, world):
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def train(model, opt, sched, rank, world, first, last, inf_at=None):
-    ddp = DDP(model) if world > 1 else model
+def train(model, opt, sched, rank, world, first, last, inf_at=None, ddp=None):
+    """Steps [first, last) through ``ddp`` (a DDP built here by default; or the caller's: a DDP
+    with its own options, a hook, an FSDP model); no scheduler when ``sched`` is None."""
+    ddp = ddp if ddp is not None else DDP(model) if world > 1 else model
     for step in range(first, last):
         x, y = batch(step, rank, world)
         loss = F.mse_loss(ddp(x), y)
@@ -83,7 +85,8 @@ def train(model, opt, sched, rank, world, first, last, inf_at=None):
             scaled.backward()
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if sched is not None:
+            sched.step()
     return ddp
 
 
@@ -166,7 +169,7 @@ def rolled_back(rank, world, opt_level, shard, directory, rs_hook):
     ddp = DDP(model, gradient_as_bucket_view=True) if world > 1 else model
     if rs_hook:
         distamp.hooks.register(ddp, opt, reduce_scatter=True)
-    train_on(ddp, opt, sched, rank, world, 0, SAVE_AT)
+    train(model, opt, sched, rank, world, 0, SAVE_AT, inf_at=SAVE_AT - 1, ddp=ddp)
     distamp.save_checkpoint(directory, ddp, opt, extra={"scheduler": sched.state_dict()})
     assert distamp.stats(opt).last_step_skipped  # the inf of step SAVE_AT - 1
     x, y = batch(SAVE_AT, rank, world)
@@ -176,7 +179,7 @@ def rolled_back(rank, world, opt_level, shard, directory, rs_hook):
     extra = distamp.load_checkpoint(directory, ddp, opt)  # drops the pending gradients
     assert distamp.stats(opt).last_step_skipped  # an audit: load reset it to False
     sched.load_state_dict(extra["scheduler"])
-    train_on(ddp, opt, sched, rank, world, SAVE_AT, STEPS)
+    train(model, opt, sched, rank, world, SAVE_AT, STEPS, inf_at=SAVE_AT - 1, ddp=ddp)
     return snapshot(model, opt, sched)
 
 
@@ -185,20 +188,8 @@ def straight_with(rank, world, opt_level, shard, rs_hook):
     ddp = DDP(model, gradient_as_bucket_view=True) if world > 1 else model
     if rs_hook:
         distamp.hooks.register(ddp, opt, reduce_scatter=True)
-    train_on(ddp, opt, sched, rank, world, 0, STEPS)
+    train(model, opt, sched, rank, world, 0, STEPS, inf_at=SAVE_AT - 1, ddp=ddp)
     return snapshot(model, opt, sched)
-
-
-def train_on(ddp, opt, sched, rank, world, first, last):
-    for step in range(first, last):
-        x, y = batch(step, rank, world)
-        inf = step == SAVE_AT - 1 and rank == 0  # one rank only: the step before the save
-        loss = F.mse_loss(ddp(x), y) * (float("inf") if inf else 1.0)
-        with distamp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
 
 
 @pytest.mark.parametrize(
@@ -244,12 +235,7 @@ def bn_run(rank, world, how, directory, first, last, load):
         warnings.simplefilter("always")
         if load:
             distamp.load_checkpoint(directory, model, opt)
-    for step in range(first, last):
-        x, y = batch(step, rank, world)
-        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    train(net, opt, None, rank, world, first, last, ddp=model)
     if not load and directory is not None:
         distamp.save_checkpoint(directory, model, opt)
     inner = model.module if isinstance(model, DDP) else model
@@ -284,12 +270,7 @@ def _ignored_run(rank, world, directory, ignore):
     ddp = DDP(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(2):
-            x, y = batch(step, rank, world)
-            with distamp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
-                scaled.backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, None, rank, world, 0, 2, ddp=ddp)
         distamp.save_checkpoint(directory, ddp, opt)
     return [str(w.message) for w in caught if "which DDP ignores" in str(w.message)]
 
@@ -1068,13 +1049,7 @@ def _empty_parameter(rank, world, kwargs, directory, load_only):
     if load_only:
         distamp.load_checkpoint(directory, model, opt)
         return {k: v.float() for k, v in model.state_dict().items()}
-    ddp = DDP(model) if world > 1 else model
-    for step in range(2):
-        x, y = batch(step, rank, world)
-        with distamp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    ddp = train(model, opt, None, rank, world, 0, 2)
     distamp.save_checkpoint(directory, ddp, opt)
     return {k: v.float() for k, v in model.state_dict().items()}
 
@@ -1202,12 +1177,7 @@ def _ac_train_and_save(directory, wrapped) -> None:
         )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    for step in range(3):
-        x, y = batch(step, 0, 1)
-        with distamp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, None, 0, 1, 0, 3)
     distamp.save_checkpoint(directory, model, opt)
 
 

@@ -178,9 +178,17 @@ def save_checkpoint(
     state_dict, manifest = agree(
         "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
-    own = _buffers_apart(target)
+    own, differ = _apart_between_ranks(target)
     manifest["rank_buffers"] = sorted(own)
-    _warn_if_ignored_parameters_differ(target)
+    if differ:
+        warnings.warn(
+            f"save_checkpoint: parameters {differ[:4]}{' and more' if len(differ) > 4 else ''}, "
+            "which DDP ignores, hold other values on each rank, and a checkpoint keeps one value "
+            "of each (pieced from the ranks' copies, not any rank's own): expected them equal "
+            f"across the ranks (this is rank {target.rank}); save per-rank parameters in a "
+            "file of each rank's own",
+            stacklevel=2,
+        )
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank, own), pg)
     try:
         with files.quiet_single_process(not target.distributed()):
@@ -421,9 +429,10 @@ def _broadcasts_buffers(model: nn.Module) -> bool:
         model = inner
 
 
-def _buffers_apart(target: _Target) -> dict[str, torch.Tensor]:
-    """Collective: this rank's buffers whose values differ between the ranks, by their key in
-    the checkpoint.
+def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Collective (one all-gather of digests): this rank's buffers whose values differ between
+    the ranks, by their key in the checkpoint, and the names of the parameters DDP ignores that
+    differ.
 
     [Note: buffers that differ between ranks] The checkpoint holds rank 0's plain tensors, and
     every rank loads them. Where buffers are rank-local — BatchNorm statistics under FSDP (which
@@ -432,50 +441,36 @@ def _buffers_apart(target: _Target) -> dict[str, torch.Tensor]:
     the bit-exact resume. So the ranks compare a digest of each buffer, and each rank writes
     the ones that differ into its own rank file, restored at the same world size; at another
     world size every rank takes rank 0's, with a warning naming them. Not for a DDP that
-    broadcasts buffers (its next forward hands out rank 0's anyway)."""
+    broadcasts buffers (its next forward hands out rank 0's anyway).
+
+    Parameters DDP was told to ignore may differ too (expert parallelism: each rank its own
+    experts), but a checkpoint holds one value of each — with replicated masters pieced from
+    the ranks' copies, so that not even rank 0 got its own back (an audit): the caller warns."""
     if not target.distributed():
-        return {}
-    mine: dict[str, torch.Tensor] = {}
+        return {}, []
+    buffers: dict[str, torch.Tensor] = {}
     for i, (model, synced) in enumerate(zip(target.models, target.synced_buffers, strict=True)):
         if synced:
             continue
         # By identity, under their state_dict keys (a CheckpointWrapper renames those).
-        buffers = {id(b) for b in model.buffers()}
+        ids = {id(b) for b in model.buffers()}
         for key, value in model.state_dict(keep_vars=True).items():
-            if id(value) in buffers and not is_dtensor(value):
-                mine[f"model.{i}.{key}"] = value.detach()
-    digests = {key: _digest(value) for key, value in mine.items()}
+            if id(value) in ids and not is_dtensor(value):
+                buffers[f"model.{i}.{key}"] = value.detach()
+    ignored = target.scaler_group.ddp_ignored() if target.scaler_group is not None else set()
+    params = {
+        target.names.get(id(p), "?"): p
+        for model in target.models
+        for p in model.parameters()
+        if id(p) in ignored
+    }
+    digests = {("buffer", k): _digest(v) for k, v in buffers.items()}
+    digests |= {("param", k): _digest(v) for k, v in params.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)
     apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
-    return {key: mine[key] for key in sorted(apart)}
-
-
-def _warn_if_ignored_parameters_differ(target: _Target) -> None:
-    """Collective: parameters DDP was told to ignore may hold other values on each rank (expert
-    parallelism: each rank its own experts), but the checkpoint holds one value of each — with
-    replicated masters pieced together from the ranks' copies, so that not even rank 0 got its
-    own back (an audit). Every rank warns, naming them."""
-    group = target.scaler_group
-    if group is None or not target.distributed():
-        return
-    ignored = group.ddp_ignored()
-    if not ignored:
-        return
-    params = {id(p): p for model in target.models for p in model.parameters() if id(p) in ignored}
-    mine = {target.names.get(i, "?"): _digest(p) for i, p in sorted(params.items())}
-    seen: list[Any] = [None] * target.world
-    dist.all_gather_object(seen, mine, group=target.pg)
-    differ = sorted(k for k, d in mine.items() if any(other.get(k) != d for other in seen))
-    if differ:
-        warnings.warn(
-            f"save_checkpoint: parameters {differ[:4]}{' and more' if len(differ) > 4 else ''}, "
-            "which DDP ignores, hold other values on each rank, and a checkpoint keeps one value "
-            "of each (pieced from the ranks' copies, not any rank's own): expected them equal "
-            f"across the ranks (this is rank {target.rank}); save per-rank parameters in a "
-            "file of each rank's own",
-            stacklevel=3,
-        )
+    own = {k: buffers[k] for kind, k in sorted(apart) if kind == "buffer"}
+    return own, [k for kind, k in sorted(apart) if kind == "param"]
 
 
 def _digest(value: torch.Tensor) -> str:

@@ -115,21 +115,23 @@ def param_names(models: list[nn.Module]) -> dict[int, str]:
     """id(param) -> qualified name, as ``distamp.wrap`` names them."""
     names: dict[int, str] = {}
     for i, model in enumerate(models):
-        keyed = _state_keys(model)
-        for pname, param in model.named_parameters():
-            pname = keyed.get(id(param), pname)
-            names.setdefault(id(param), pname if len(models) == 1 else f"models[{i}].{pname}")
+        _name_params(model, i, len(models), model.state_dict(keep_vars=True), names)
     return names
 
 
-def _state_keys(model: nn.Module) -> dict[int, str]:
-    """id(param) -> its key in model.state_dict(): wrappers such as torch's
-    CheckpointWrapper rename their children's keys in a state_dict post-hook."""
-    out: dict[int, str] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+def _name_params(
+    model: nn.Module, index: int, n_models: int, state: dict[str, Any], into: dict[int, str]
+) -> None:
+    """Name each parameter of ``model`` not named yet in ``into`` by its key in ``state`` (its
+    ``state_dict(keep_vars=True)``; wrappers such as torch's CheckpointWrapper rename their
+    children's keys in a state_dict post-hook, not in named_parameters)."""
+    keyed: dict[int, str] = {}
+    for key, value in state.items():
         if isinstance(value, nn.Parameter):
-            out.setdefault(id(value), key)
-    return out
+            keyed.setdefault(id(value), key)
+    for pname, param in model.named_parameters():
+        pname = keyed.get(id(param), pname)
+        into.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
 
 
 def model_entry(
@@ -142,19 +144,17 @@ def model_entry(
     model's alias missed its FP32 master and ``consolidate`` gave it the half weight (an
     audit: an embedding shared by an encoder and a decoder at O2 came back rounded to bf16)."""
     canonical: dict[int, str] = dict(names or {})
-    keyed = _state_keys(model)
-    for pname, param in model.named_parameters():
-        pname = keyed.get(id(param), pname)
-        canonical.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
+    state = model.state_dict(keep_vars=True)
+    _name_params(model, index, n_models, state, canonical)
     aliases = {
         pname: canonical[id(param)]
         for pname, param in model.named_parameters(remove_duplicate=False)
     }
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in state.items():
         if isinstance(value, nn.Parameter) and id(value) in canonical:
             aliases[key] = canonical[id(value)]
     keys: dict[str, list[Any]] = {}
-    for key, value in live_state_dict(model).items():
+    for key, value in state.items():  # live_state_dict's values, undetached
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(
                 f"model state_dict entry {key!r} is a {type(value).__name__}; expected tensors "

@@ -515,6 +515,7 @@ class ScalerGroup:
             if st.state is OptState.READY:
                 st.grad_scale, st.state, st.had_grads = scale, OptState.SCALED, True
                 st.unlisted_loss = loss_id
+                st.adopted_grads = [grad_version(p) for p in st.masters.model_params]
             elif st.state is OptState.UNSCALED or st.grad_scale != scale:
                 st.mixed_scales = (loss_id, scale)
 

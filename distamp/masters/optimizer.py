@@ -99,6 +99,9 @@ class AmpOptimizerState:
         it reaches] in scaler.py)."""
         self.mixed_scales: tuple[int, float] | None = None
         """(loss_id, scale) of such a block that wrote into gradients pending at another scale."""
+        self.adopted_grads: list[tuple[int, int] | None] | None = None
+        """Each model gradient's identity and version when a block that did not list this
+        optimizer left it (see :func:`drop_cleared_gradients`)."""
         self.warned_unlisted = False
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = lambda: None
         """The wrapped optimizer (a weak reference, set by wrap)."""
@@ -143,6 +146,7 @@ class AmpOptimizerState:
         self.state = OptState.READY
         self.unlisted_loss = None
         self.mixed_scales = None
+        self.adopted_grads = None
         self.grad_scale = None
         self.backwards = []
         self.seen_nonfinite = None
@@ -775,13 +779,40 @@ def drop_cleared_gradients(st: AmpOptimizerState) -> None:
     step was skipped for that NaN and the scale halved, or the next ``scale_loss`` after an
     ``unscale_`` refused to run. Called where the next block, step or unscale begins: with every
     model gradient gone, nothing is pending, so the blocks are dropped as ``zero_grad`` drops
-    them. O(1) while any gradient is there (the scan stops at the first)."""
+    them. O(1) while any gradient is there (the scan stops at the first).
+
+    Gradients zeroed in place (``zero_grad(set_to_none=False)``) are not looked for in general
+    (a scan of every value per block), except where a block that did not list this optimizer
+    wrote them (apex's DCGAN: the generator's loss reaches the discriminator, whose gradients
+    the script zeroes before its own blocks): found all zero since, they are dropped as cleared
+    ones are — else the discriminator's next block ran at the lower of the two scales and its
+    step warned that gradients it had cleared were taken at the generator's (an audit)."""
     if st.state is OptState.READY or not st.had_grads:
         return  # (an optimizer whose parameters got no gradient this iteration: nothing cleared)
-    if any(p.grad is not None for p in st.masters.model_params):
+    params = st.masters.model_params
+    if any(p.grad is not None for p in params) and not _zeroed_since_adopted(st):
         return
     st.group.forget(st)
     st.reset()  # releases the masters' and shards' gradients, as zero_grad does
+
+
+def _zeroed_since_adopted(st: AmpOptimizerState) -> bool:
+    """See :func:`drop_cleared_gradients`: the gradients a block that did not list ``st`` left
+    have all been written since, and every one is zero now (the same on every rank: each zeroes
+    its own)."""
+    if st.adopted_grads is None:
+        return False
+    params = st.masters.model_params
+    if [grad_version(p) for p in params] == st.adopted_grads:
+        return False
+    with torch.no_grad():
+        return all(p.grad is None or not bool(_local(p.grad).any()) for p in params)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's local shard (FSDP); any other as it is."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def _decide_with_no_blocks(st: AmpOptimizerState) -> None:

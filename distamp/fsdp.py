@@ -464,6 +464,14 @@ def fully_shard(
         # parameters were FP32 masters by another name (an audit: FP32 parameters and AdamW
         # state under "O3", twice the bytes, and stats' master_bytes reported 0).
         casting.cast_tensors(model, casting.plan_precision([model], props))
+    elif props.model_is_cast:
+        # O2: FSDP's policy casts the parameters; the float buffers of modules with weights
+        # (an additive attention mask, a position table) are cast with them here, as wrap's O2
+        # casts them (the norm layers' and parameter-less modules' stay FP32). Left FP32, a
+        # bf16 score plus an FP32 mask promoted to FP32 and met the next bf16 weight: "expected
+        # scalar type Float but found BFloat16" at the first forward, under FSDP only (an audit).
+        plan = casting.plan_precision([model], props)
+        casting.cast_tensors(model, dataclasses.replace(plan, cast_params=frozenset()))
     _set_forward_classes(model, props, device_type)
     model = apply(model, props)
     new_params = dict(model.named_parameters())

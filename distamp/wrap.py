@@ -767,7 +767,9 @@ def scale_loss(
     if not isinstance(loss_id, int) or not 0 <= loss_id < group.props.num_losses:
         raise ValueError(
             f"scale_loss: loss_id must be in [0, num_losses={group.props.num_losses}), got "
-            f"{loss_id!r}; pass num_losses to distamp.wrap to use more losses"
+            f"{loss_id!r}; pass num_losses to "
+            f"{'distamp.fsdp.fully_shard' if states[0].masters.fsdp else 'distamp.wrap'} "
+            "to use more losses"
         )
     for st in states:
         drop_cleared_gradients(st)

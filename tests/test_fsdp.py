@@ -310,6 +310,14 @@ def wrong_orders(rank, world):
         messages["fsdp1 on cpu"] = None
     except (RuntimeError, ValueError) as exc:
         messages["fsdp1 on cpu"] = str(exc)
+    model, _, opt = build("fsdp")
+    x, y = batch(0, rank, world)
+    try:
+        with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt, loss_id=1):
+            pass
+        messages["loss_id past num_losses"] = None
+    except ValueError as exc:
+        messages["loss_id past num_losses"] = str(exc)
     return messages
 
 
@@ -319,6 +327,7 @@ def test_wrong_order_is_refused_clearly():
     assert "distamp.fsdp.fully_shard" in messages["fsdp then wrap"]
     assert "sharded with FSDP after distamp.wrap" in messages["wrap then fsdp"]
     assert "needs a GPU" in messages["fsdp1 on cpu"]
+    assert "pass num_losses to distamp.fsdp.fully_shard" in messages["loss_id past num_losses"]
 
 
 # -- the example ------------------------------------------------------------------------------------
@@ -688,3 +697,54 @@ def test_a_sharded_tensor_in_extra_is_refused_by_its_key(tmp_path):
     failed") naming nothing; only rank 0's shards would have been saved (an audit)."""
     for message in run_ranks(_sharded_extra, 2, str(tmp_path / "ckpt")):
         assert "extra['ema']" in message and "found a DTensor" in message, message
+
+
+class _MaskedAttention(nn.Module):
+    """A causal self-attention with its additive mask as a float buffer of a module that holds
+    weights (GPT-2's and many custom models' habit)."""
+
+    def __init__(self, d=8, t=4):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + self.mask
+        return self.out(scores.softmax(-1) @ v)
+
+
+def _masked_attention(rank, world, how):
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaskedAttention(), nn.LayerNorm(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if how == "fsdp":
+        model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    else:
+        model, opt = distamp.wrap(
+            model, opt, opt_level="O2", shard_master_weights=False, verbosity=0
+        )
+        model = DDP(model)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        loss = model(torch.randn(2, 4, 8, generator=g)).float().pow(2).mean()
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    inner = model.module if how == "ddp" else model
+    return inner[0].mask.dtype, fp32_weights(how, inner, opt)
+
+
+def test_o2_under_fsdp_casts_a_modules_float_buffers_with_its_weights_as_wrap_does():
+    """A float buffer of a module with weights (an attention mask) is cast with them under O2 by
+    wrap and, since an audit, by fully_shard: left FP32 under FSDP, the bf16 scores plus the
+    mask promoted to FP32 and the next bf16 layer raised at the first forward."""
+    fsdp = run_ranks(_masked_attention, 2, "fsdp")
+    ddp = run_ranks(_masked_attention, 2, "ddp")
+    assert fsdp[0][0] == ddp[0][0] == torch.bfloat16
+    # the same bf16 arithmetic up to where the gradients are summed in bf16: 3 SGD steps
+    # agree within a few bf16 steps of the weights
+    for name, value in ddp[0][1].items():
+        torch.testing.assert_close(fsdp[0][1][name], value, atol=1e-2, rtol=0, msg=name)

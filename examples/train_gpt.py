@@ -304,10 +304,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "first attempt (TORCHELASTIC_RESTART_COUNT 0: with torchrun --max-restarts the restart "
         "resumes; without, the job ends there); 0: never",
     )
+    add_check_args(parser)
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("threads", "keep", "clip", "weight_decay", "bucket_mb", "save_every"):
         if not getattr(args, name) >= 0:  # NaN too
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -350,6 +351,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     check_progress_arguments(parser, args, run_name=f"gpt-{args.size}")
     return args
+
+
+def add_check_args(parser: argparse.ArgumentParser) -> None:
+    """--check-args: the launch scripts validate the arguments once, before torchrun starts any
+    rank (launch/common.sh's check_args)."""
+    parser.add_argument(
+        "--check-args",
+        action="store_true",
+        help="check the arguments and exit (0: they are fine, 2: refused, as argparse does)",
+    )
 
 
 def check_resume(parser: argparse.ArgumentParser, resume: str) -> None:
@@ -414,9 +425,9 @@ def check_progress_arguments(
     """Refuse bad values; turn --run-dir into a Path (None for 'none')."""
     for name in ("log_every", "metrics_every"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.plot_every < 0:
-        parser.error("--plot-every must be >= 0")
+        parser.error(f"--plot-every must be >= 0, got {args.plot_every}")
     run_dir = args.run_dir if args.run_dir is not None else f"runs/{run_name}"
     args.run_dir = None if run_dir == "none" else Path(run_dir)
     if args.run_dir is not None:
@@ -479,14 +490,33 @@ def leave_with_the_launcher(every_s: float = 1.0) -> None:
     ranks training and saving into --ckpt-dir, and the relaunch's --resume auto raced them for
     it (an audit). A daemon thread polls the parent's pid: a reparented worker has lost it."""
     parent = os.getppid()
+    # The launch scripts name the agent (DISTAMP_LAUNCHER_PID): an agent that died while this
+    # rank imported torch left the init process as its parent already (an audit: both ranks
+    # waited out the store's timeout).
+    launcher = int(os.environ.get("DISTAMP_LAUNCHER_PID", parent))
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent and not process_gone(launcher):
             time.sleep(every_s)
         print(f"rank {os.environ.get('RANK', '?')}: torchrun's agent is gone; exiting", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="leave-with-the-launcher", daemon=True).start()
+
+
+def process_gone(pid: int) -> bool:
+    """No process ``pid``, or only its zombie (a killed agent its own parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
 
 def lr_lambda(total_steps: int) -> Callable[[int], float]:
@@ -880,6 +910,8 @@ class Progress:
 
 def main() -> int:
     args = parse_args()
+    if args.check_args:
+        return 0
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0
     world_size = dist.get_world_size() if backend else 1

@@ -29,6 +29,7 @@ from train_gpt import (
     HelpFormatter,
     Progress,
     RandomWindows,
+    add_check_args,
     add_progress_arguments,
     check_ckpt_dir,
     check_progress_arguments,
@@ -81,11 +82,12 @@ def parse_args() -> argparse.Namespace:
         "if any; 'none' (default)",
     )
     add_progress_arguments(parser, log_every=5, run_name="gpt-fsdp-SIZE")
+    add_check_args(parser)
     args = parser.parse_args()
     for name in ("steps", "batch_size", "seq_len", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not (args.lr > 0 and math.isfinite(args.lr)) or args.clip < 0 or not args.data_mb > 0:
+    if not (args.lr > 0 and math.isfinite(args.lr)) or not args.clip >= 0 or not args.data_mb > 0:
         parser.error(
             f"expected a finite --lr > 0, --clip >= 0 and --data-mb > 0, got --lr {args.lr}, "
             f"--clip {args.clip}, --data-mb {args.data_mb}"
@@ -99,6 +101,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.check_args:
+        return 0
     device, backend = setup_distributed()
     if backend is None:
         raise SystemExit("run under torchrun: FSDP needs a process group")

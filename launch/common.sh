@@ -23,3 +23,22 @@ if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]]; the
     exit 2
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
+# The ranks' way to tell that torchrun's agent is gone (examples/train_gpt.py,
+# leave_with_the_launcher): every launch script execs torchrun, so this shell's pid is the
+# agent's. A rank that asks its parent instead, after its imports, already found the init
+# process there when the agent died early, and waited out the store's timeout (an audit).
+export DISTAMP_LAUNCHER_PID=$$
+
+# check_args SCRIPT ARGS...: validate the example's arguments once, before torchrun starts any
+# rank. A bad value is one message and exit code 2 — not one per rank inside torchrun's
+# traceback, nor restarted by --max-restarts as if it were a crash (an audit: elastic.sh printed
+# a refusal six times over 33 s). --help is answered here.
+check_args() {
+    local arg
+    for arg in "$@"; do
+        if [[ "$arg" == -h || "$arg" == --help ]]; then
+            exec "$PY" "$@"
+        fi
+    done
+    "$PY" "$@" --check-args || exit 2
+}

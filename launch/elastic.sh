@@ -18,7 +18,8 @@ CKPT=${CKPT:-runs/elastic}
 if [[ $# -eq 0 ]]; then
     set -- --size tiny --steps 40 --log-every 5
 fi
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-    --max-restarts="${MAX_RESTARTS:-2}" \
-    examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --run-dir "$CKPT" \
+set -- examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --run-dir "$CKPT" \
     --save-every 10 --resume auto --fail-at-step "${FAIL_AT:-25}" "$@"
+check_args "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    --max-restarts="${MAX_RESTARTS:-2}" "$@"

@@ -87,8 +87,13 @@ if [[ -n "$NODE_RANK" ]]; then
         exit 2
     fi
 fi
-if [[ "$MASTER_PORT" == "" || ! "$MASTER_PORT" =~ ^[0-9]+$ ]]; then
-    echo "multinode.sh: --master HOST:PORT expects a port number, got '$MASTER_PORT'" >&2
+if [[ ! "$MASTER_PORT" =~ ^[0-9]+$ ]] || (( 10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535 )); then
+    echo "multinode.sh: --master HOST:PORT expects a port number from 1 to 65535, got '$MASTER_PORT'" >&2
+    exit 2
+fi
+
+if [[ -n "$MAX_RESTARTS" && ! "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "multinode.sh: --max-restarts expects a whole number >= 0, got '$MAX_RESTARTS'" >&2
     exit 2
 fi
 
@@ -169,5 +174,6 @@ fi
 echo "multinode.sh: $(hostname) | ${RDZV_ID:+elastic rendezvous $RDZV_ID, }nodes $NNODES${NODE_RANK:+, node rank $NODE_RANK}" \
     "| master $MASTER_IP:$MASTER_PORT$( ((IS_MASTER)) && echo ' (this node)') | interface ${IFACE:-?}" \
     "(${LOCAL_ADDR:-?}) ${SOCKET_NOTE}| backend $BACKEND | $NPROC ranks x $OMP_NUM_THREADS threads" >&2
-exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" \
-    examples/train_gpt.py --backend "$BACKEND" --threads "$OMP_NUM_THREADS" "$@"
+set -- examples/train_gpt.py --backend "$BACKEND" --threads "$OMP_NUM_THREADS" "$@"
+check_args "$@"
+exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" "$@"

@@ -20,5 +20,6 @@ if [[ $# -eq 0 ]]; then
     set -- --size small --steps 60 --log-every 10 --ckpt-dir runs/main --save-every 20 \
         --resume none --run-dir runs/main
 fi
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-    examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"
+set -- examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"
+check_args "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"

@@ -5,5 +5,6 @@
 #   NPROC=4 bash launch/run_fsdp.sh --size small --steps 50   # arguments go to train_gpt_fsdp.py
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-    examples/train_gpt_fsdp.py --threads "$OMP_NUM_THREADS" "$@"
+set -- examples/train_gpt_fsdp.py --threads "$OMP_NUM_THREADS" "$@"
+check_args "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"

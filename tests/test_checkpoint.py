@@ -384,6 +384,48 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path):
     assert not interrupted.exists() and not list(Path(root).glob("*.incomplete*"))
 
 
+def _save_on_a_full_disk(rank, world, root):
+    """Rank 1's writes fail past 64 KB (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC), at a
+    path with no checkpoint and at one with a checkpoint."""
+    import resource
+
+    model, opt, sched = make("O2", big=1 << 16)  # 256 KB of masters: past the limit
+    train(model, opt, sched, rank, world, 0, 2)
+    kept = os.path.join(root, "kept")
+    distamp.save_checkpoint(kept, model, opt, extra={"step": 2})
+    train(model, opt, sched, rank, world, 2, 3)
+    messages = []
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the signal's kill
+    try:
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limit[1]))
+        for name in ("new", "kept"):
+            try:
+                distamp.save_checkpoint(os.path.join(root, name), model, opt, extra={"step": 3})
+                messages.append(None)
+            except CheckpointError as exc:
+                messages.append(str(exc))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    return messages
+
+
+def test_a_save_that_fails_writing_removes_its_partial_folder_and_says_what_is_left(tmp_path):
+    """An audit's full disk: the failed save left its partial folder (and the disk full: the
+    example's step_NNNNNN paths never repeat, so no later save removed it), and said "a previous
+    checkpoint ... is intact" where there had been none."""
+    root = tmp_path / "run"
+    for messages in run_ranks(_save_on_a_full_disk, 2, str(root)):
+        new, kept = messages
+        assert new is not None and f"there was no checkpoint at {root / 'new'} before" in new
+        assert kept is not None and f"the previous checkpoint at {root / 'kept'} is intact" in kept
+        assert "rank 1: " in new and "rank 0: " not in new, new
+    assert sorted(p.name for p in root.iterdir()) == ["kept"]
+    assert distamp.checkpoint.inspect(str(root / "kept"))["extra"] == {"step": 2}
+
+
 def test_a_save_of_a_path_another_live_process_is_saving_is_refused_naming_it(tmp_path):
     """Two jobs saving one path shared one temporary folder, each removing the other's files:
     one committed a manifest of its own over the other's tensors, silently (an audit). Each

@@ -109,3 +109,45 @@ def test_workers_leave_when_torchrun_itself_is_killed(tmp_path):
         agent.kill()
         for pid in filter(_alive, workers):
             os.kill(pid, 9)
+
+
+def _workers(agent: int) -> list[int]:
+    """The agent's training ranks (not launch/common.sh's argument check)."""
+    found = []
+    for pid in _children(agent):
+        try:
+            cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_gpt.py") for a in cmdline) and b"--check-args" not in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_workers_leave_when_torchrun_is_killed_while_they_start(tmp_path):
+    """The agent SIGKILLed while its workers still import torch: they found the init process as
+    their parent already, never saw the agent go, and waited out the store's timeout (an audit:
+    8.5 minutes and counting). launch/ scripts name the agent (DISTAMP_LAUNCHER_PID)."""
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), *ARGS[:2], "--steps", "100000", *ARGS[4:]]
+    cmd += ["--run-dir", "none"]
+    env = {**os.environ, "SKIP_SETUP": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    agent = subprocess.Popen(  # run.sh execs torchrun: this pid is the agent's
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = _workers(agent.pid)
+            time.sleep(0.02)
+        assert len(workers) == 2, workers
+        agent.kill()  # at once: the workers have not imported torch yet
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, workers)), "workers outlived their torchrun agent"
+    finally:
+        agent.kill()
+        for pid in filter(_alive, workers):
+            os.kill(pid, 9)

@@ -50,6 +50,8 @@ BAD = {
         "found nothing at that path",
     ),
     "resume from a file": (["--resume", __file__], "found a file"),
+    "no steps": (["--steps", "0"], "--steps must be >= 1, got 0"),
+    "negative plot-every": (["--plot-every", "-1"], "--plot-every must be >= 0, got -1"),
     "reduce-scatter at O1 unsharded": (
         ["--reduce-scatter", "--opt-level", "O1"],
         "add --shard-weights",
@@ -73,3 +75,30 @@ def test_good_combinations_parse():
 
 def test_ckpt_dir_to_be_made_under_a_writable_folder_parses(tmp_path):
     assert parse_args(["--ckpt-dir", str(tmp_path / "runs" / "a")]).ckpt_dir is not None
+
+
+@pytest.mark.parametrize("script", ["train_gpt.py", "train_gpt_fsdp.py"])
+def test_check_args_refuses_a_bad_value_and_passes_a_good_one_without_a_process_group(script):
+    """launch/common.sh's check_args runs this once before torchrun starts any rank. An audit:
+    the FSDP example took --clip nan (clipping silently off: ``nan < 0`` is False)."""
+    import os
+    import subprocess
+
+    path = Path(__file__).resolve().parents[1] / "examples" / script
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    bad = subprocess.run(
+        [sys.executable, str(path), "--clip", "nan", "--check-args"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert bad.returncode == 2 and "--clip" in bad.stderr and "nan" in bad.stderr, bad.stderr
+    good = subprocess.run(
+        [sys.executable, str(path), "--steps", "3", "--check-args"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert good.returncode == 0 and not good.stdout, good.stdout + good.stderr

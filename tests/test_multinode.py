@@ -166,14 +166,34 @@ def test_two_elastic_agents_on_one_machine_meet_over_loopback(tmp_path):
         (["--nnodes", "2", "--node-rank", "2", "--master", "h"], {}, "from 0 to 2 - 1"),
         (["--nproc", "two"], {}, "expected a whole number of ranks >= 1, got 'two'"),
         ([], {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS: expected a whole number of threads"),
+        (["--max-restarts", "-1"], {}, "--max-restarts expects a whole number >= 0, got '-1'"),
+        (["--master", "127.0.0.1:99999"], {}, "a port number from 1 to 65535, got '99999'"),
+        # the training script's own arguments: checked once, before torchrun starts a rank
+        ([], {}, "--steps must be >= 1, got 0"),
     ],
-    ids=["nnodes-0", "min-above-max", "node-rank-past-the-end", "nproc-word", "omp-word"],
+    ids=[
+        "nnodes-0",
+        "min-above-max",
+        "node-rank-past-the-end",
+        "nproc-word",
+        "omp-word",
+        "max-restarts-negative",
+        "port-past-65535",
+        "training-argument",
+    ],
 )
 def test_launch_arguments_are_refused_by_name_before_anything_starts(args, env, says):
     """An audit: --nnodes 0 was reported as a missing --node-rank, --nnodes 2:1 and
     OMP_NUM_THREADS=abc reached torchrun (a traceback, or a rendezvous that never completes)."""
     done = subprocess.run(
-        ["bash", str(ROOT / "launch" / "multinode.sh"), *args, "--", "--steps", "1"],
+        [
+            "bash",
+            str(ROOT / "launch" / "multinode.sh"),
+            *args,
+            "--",
+            "--steps",
+            "0" if says.startswith("--steps") else "1",
+        ],
         capture_output=True,
         text=True,
         env={**ENV, **env},
@@ -182,3 +202,4 @@ def test_launch_arguments_are_refused_by_name_before_anything_starts(args, env, 
     )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count(says) == 1, done.stderr  # once, not once per rank

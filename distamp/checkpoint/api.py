@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -189,6 +190,43 @@ def save_checkpoint(
             "file of each rank's own",
             stacklevel=2,
         )
+    try:
+        shares = _write_into(tmp, directory, target, state_dict, own, pg)
+    except BaseException:
+        # Every rank is past its writes (each step above fails on all ranks alike): the partial
+        # folder goes. Left, it held the disk a full-disk failure had filled, and the example's
+        # step_NNNNNN paths never repeat, so no later save of the same path removed it (an audit).
+        if target.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def finish() -> None:
+        if target.rank != 0:
+            return
+        manifest["files"] = {k: v for s in shares for k, v in s.items()}
+        try:
+            files.write_manifest_and_commit(tmp, manifest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no manifest: nothing to load (see above)
+            raise
+        try:
+            files.commit(tmp, directory)
+        except OSError as exc:
+            raise CheckpointError(
+                f"save_checkpoint: could not move the finished {tmp} into place as {directory} "
+                f"({exc}): expected no other save of that path at the same time (another job "
+                f"or host committed one meanwhile?); this save is left complete in {tmp}"
+            ) from exc
+
+    agree("save_checkpoint: committing", finish, pg)
+    return str(given)
+
+
+def _write_into(
+    tmp: Path, directory: Path, target: _Target, state_dict: dict[str, Any], own: Any, pg: Any
+) -> list[Any]:
+    """Every rank: the RNG state, the tensors and their hashes into ``tmp``; each rank's share
+    of the manifest's file list."""
     agree("save_checkpoint: writing RNG state", lambda: _save_rng(tmp, target.rank, own), pg)
     try:
         with files.quiet_single_process(not target.distributed()):
@@ -202,7 +240,12 @@ def save_checkpoint(
         # DCP gathers the ranks' failures: every rank raises here alike.
         raise CheckpointError(
             f"save_checkpoint: writing the tensors into {tmp} failed ({_dcp_failures(exc)}); "
-            f"nothing was committed, a previous checkpoint at {directory} is intact"
+            f"nothing was committed and the partial folder is removed; "
+            + (
+                f"the previous checkpoint at {directory} is intact"
+                if (directory / files.COMMIT).is_file()
+                else f"there was no checkpoint at {directory} before"
+            )
         ) from exc
     share = agree(
         "save_checkpoint: hashing", lambda: files.hash_share(tmp, target.rank, target.world), pg
@@ -211,23 +254,7 @@ def save_checkpoint(
     if target.distributed():
         shares = [None] * target.world
         dist.all_gather_object(shares, share, group=pg)
-
-    def finish() -> None:
-        if target.rank != 0:
-            return
-        manifest["files"] = {k: v for s in shares for k, v in s.items()}
-        files.write_manifest_and_commit(tmp, manifest)
-        try:
-            files.commit(tmp, directory)
-        except OSError as exc:
-            raise CheckpointError(
-                f"save_checkpoint: could not move the finished {tmp} into place as {directory} "
-                f"({exc}): expected no other save of that path at the same time (another job "
-                f"or host committed one meanwhile?); this save is left complete in {tmp}"
-            ) from exc
-
-    agree("save_checkpoint: committing", finish, pg)
-    return str(given)
+    return shares
 
 
 def _dcp_failures(exc: BaseException) -> str:

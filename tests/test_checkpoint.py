@@ -518,15 +518,22 @@ def test_damaged_or_mismatched_checkpoint_fails_on_every_rank(tmp_path):
         "no commit": variant("nocommit", lambda d: (d / "COMMIT").unlink()),
         "other model": str(good),
         "other opt_level": str(good),
+        "dcp.save's folder": str(tmp_path / "dcp"),
     }
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     expected = {
         "truncated shard": r"__1_0\.distcp: expected \d+ bytes, found \d+",
         "flipped byte": r"__0_0\.distcp: SHA-256 differs .*; another checkpoint beside it: ",
         "altered manifest": r"distamp\.pt: SHA-256 differs from COMMIT",
         "altered metadata": r"\.metadata: SHA-256 differs",
         "no commit": r"found no COMMIT file",
-        "other model": r"'fc1\.weight' has shape \(13, 6\) in the checkpoint, \(14, 6\) in this",
-        "other opt_level": r"saved with opt_level='O2', this run has opt_level='O1'",
+        "other model": r"'fc1\.weight' has shape \(13, 6\) in the checkpoint, \(14, 6\) in this"
+        r".*consolidate\(path\) gives them as plain FP32 tensors",
+        "other opt_level": r"saved with opt_level='O2', this run has opt_level='O1'.*"
+        r"strict=False",
+        "dcp.save's folder": r"found a torch\.distributed\.checkpoint folder \(dcp\.save's",
     }
     results = run_ranks(try_loads, 2, cases, timeout=120)
     for rank, messages in enumerate(results):

@@ -266,6 +266,7 @@ def test_fsdp_checkpoint_round_trip_and_reshard(tmp_path):
     )
     plain = Net()
     plain.load_state_dict(consolidate(directory))  # FSDP's FP32 shards, consolidated
+    assert distamp.checkpoint.inspect(directory)["sharding"].startswith("FSDP's parameters")
 
 
 # -- order ------------------------------------------------------------------------------------------
@@ -748,3 +749,42 @@ def test_o2_under_fsdp_casts_a_modules_float_buffers_with_its_weights_as_wrap_do
     # agree within a few bf16 steps of the weights
     for name, value in ddp[0][1].items():
         torch.testing.assert_close(fsdp[0][1][name], value, atol=1e-2, rtol=0, msg=name)
+
+
+def _ddp_save_fsdp_load(rank, world, opt_level, saved, resaved):
+    """Train O0/O1 under wrap + DDP with sharded FP32 weights and save; load that under
+    fully_shard in the same processes, and save it again from there."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model, opt = distamp.wrap(model, opt, opt_level=opt_level, shard_master_weights=True)
+    ddp = DDP(model)
+    for step in range(3):
+        x, y = batch(step, rank, world)
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(saved, ddp, opt)
+    model, _, opt = build("fsdp", opt_level)
+    distamp.load_checkpoint(saved, model, opt)
+    distamp.save_checkpoint(resaved, model, opt)
+    x, y = batch(3, rank, world)  # and it trains on from the loaded state (DTensors, FSDP's)
+    with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert distamp.stats(opt).steps == 4 and distamp.stats(opt).skipped_steps == 0
+
+
+@pytest.mark.parametrize("opt_level,world", [("O1", 2), ("O0", 3)])
+def test_o0_o1_checkpoints_of_sharded_fp32_weights_load_under_fsdp(tmp_path, opt_level, world):
+    """``shard_master_weights=True`` keeps O0/O1's optimizer state flat; such a checkpoint was
+    refused under FSDP as "saved with distamp masters (DDP)", which O0/O1 have none of (an
+    audit), while the README promised O1's load both ways. Weights and AdamW state arrive
+    exactly (at another world size too)."""
+    saved, resaved = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
+    run_ranks(_ddp_save_fsdp_load, world, opt_level, saved, resaved)
+    assert_same(consolidate(resaved), consolidate(saved), "weights")
+    state = consolidate_optimizer_state(saved)
+    for name, per in state.items():  # the flat layout's FP32 copy is the weight (FSDP: no copy)
+        assert torch.equal(per.pop("master"), consolidate(saved)[name]), name
+    assert_same(consolidate_optimizer_state(resaved), state, "state")

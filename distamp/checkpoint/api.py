@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from ..config import disabled_properties
 from ..masters.layout import slice_state
@@ -257,6 +258,13 @@ def _write_into(
     return shares
 
 
+WEIGHTS_ALONE = (
+    "or carry its weights alone into another model or configuration (a fine-tune): "
+    "distamp.checkpoint.consolidate(path) gives them as plain FP32 tensors by name, for "
+    "model.load_state_dict(weights, strict=False) before wrap"
+)
+
+
 def _dcp_failures(exc: BaseException) -> str:
     """DCP's CheckpointException as "rank R: Type: message" per failed rank (its own str is
     every rank's whole traceback)."""
@@ -434,6 +442,11 @@ def _collect(
         "step": step,
         "world_size": world,
         "properties": target.props,
+        # who sharded: FSDP's parameters or distamp's masters (what inspect shows; DDP's and
+        # FSDP's O2 checkpoints do not load each other)
+        "data_parallel": "fsdp"
+        if any(type(v.st.masters).__name__ == "FSDPParams" for v in target.views if v.st)
+        else "ddp",
         "models": models,
         "optimizers": optimizers,
         "scalers": scalers,
@@ -594,7 +607,9 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
     replicated. The files are verified against the manifest first, and the model and the
     properties are compared with the checkpoint's: any difference raises
     :class:`CheckpointError` on every rank, naming it, before anything is changed. Pending
-    gradients are dropped. RNG states are restored when the world size is the one saved.
+    gradients are dropped. RNG states are restored when the world size is the one saved. The
+    param groups' settings (lr, weight_decay, betas, ...) are the checkpoint's, as with torch's
+    ``optimizer.load_state_dict``: to resume at another lr, set it after loading.
     """
     if directory is None:
         raise CheckpointError(
@@ -664,7 +679,7 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
             raise CheckpointError(
                 f"the checkpoint was saved with {key}={saved.get(key)!r}{also}, this run has "
                 f"{key}={target.props.get(key)!r}; wrap (under FSDP: distamp.fsdp.fully_shard) "
-                "with the same opt_level and properties"
+                f"with the same opt_level and properties, {WEIGHTS_ALONE}"
             )
     if len(manifest["models"]) != len(target.models):
         raise CheckpointError(
@@ -676,13 +691,17 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         where = "model" if len(target.models) == 1 else f"models[{i}]"
         for key in list(theirs) + [k for k in mine if k not in theirs]:
             if key not in mine:
-                raise CheckpointError(f"{where}: the checkpoint has {key!r}, this model does not")
+                raise CheckpointError(
+                    f"{where}: the checkpoint has {key!r}, this model does not; {WEIGHTS_ALONE}"
+                )
             if key not in theirs:
-                raise CheckpointError(f"{where}: this model has {key!r}, the checkpoint does not")
+                raise CheckpointError(
+                    f"{where}: this model has {key!r}, the checkpoint does not; {WEIGHTS_ALONE}"
+                )
             if list(mine[key][0]) != list(theirs[key][0]):
                 raise CheckpointError(
                     f"{where}: {key!r} has shape {tuple(theirs[key][0])} in the checkpoint, "
-                    f"{tuple(mine[key][0])} in this model"
+                    f"{tuple(mine[key][0])} in this model; {WEIGHTS_ALONE}"
                 )
     if len(manifest["optimizers"]) != len(target.views):
         raise CheckpointError(
@@ -790,11 +809,15 @@ def _converted(saved_group: dict[str, Any], gv: GroupView, view: OptimizerView) 
     model's weights (they are the same values).
     """
     st = view.st
-    if st is None or st.group.props.master_weights or type(st.masters).__name__ == "FSDPParams":
+    if st is None or st.group.props.master_weights:
         return None
     saved_flat = saved_group["flat"]
     if saved_flat is not None and gv.flat is None:
+        # Also into FSDP's sharded parameters (O0/O1 keep no masters there either): refused as
+        # "saved with distamp masters (DDP)", which O0/O1 have none of (an audit).
         return "unflatten"
+    if type(st.masters).__name__ == "FSDPParams":
+        return None
     if saved_flat is None and gv.flat is not None and gv.flat.sharded is not None:
         return "flatten"
     return None
@@ -1018,6 +1041,16 @@ def _unflatten_state(
             .clone()
             for k in installed_keys(saved_flat, i)
         }
+        if is_dtensor(tensor):  # FSDP: this rank's part of each, laid out as the parameter
+            per = {
+                k: distribute_tensor(
+                    v,
+                    tensor.device_mesh,  # type: ignore[attr-defined]
+                    tensor.placements,  # type: ignore[attr-defined]
+                    src_data_rank=None,
+                )
+                for k, v in per.items()
+            }
         for k, values in saved_flat["scalars"].items():
             if values[i] is not None:
                 per[k] = _clone(values[i])

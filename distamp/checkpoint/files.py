@@ -197,6 +197,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{directory}: {what}")
     commit = directory / COMMIT
     if not commit.is_file():
+        if (directory / ".metadata").is_file() and not (directory / MANIFEST).exists():
+            raise CheckpointError(
+                f"{directory}: expected a distamp checkpoint (save_checkpoint's), found a "
+                "torch.distributed.checkpoint folder (dcp.save's: a .metadata file, no "
+                f"{MANIFEST}); load it with torch: get_state_dict(model, optimizer), dcp.load, "
+                "set_state_dict (O0/O1 without sharded weights, or FSDP; see the README)"
+            )
         inside = sorted(child.name for child in directory.iterdir() if (child / COMMIT).is_file())
         raise CheckpointError(
             f"{directory}: expected a committed distamp checkpoint, found no {COMMIT} file "

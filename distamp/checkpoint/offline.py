@@ -148,8 +148,11 @@ def _check_index(what: str, index: int, saved: int, kind: str) -> None:
         )
 
 
-def _sharding(props: dict[str, Any], world: int) -> str:
-    """What the saving run sharded, in words (the checkpoint loads either way)."""
+def _sharding(props: dict[str, Any], world: int, kind: str | None = None) -> str:
+    """What the saving run sharded, in words (the checkpoint loads either way); ``kind``: the
+    manifest's "data_parallel" (None from a distamp before it was recorded)."""
+    if kind == "fsdp":
+        return f"FSDP's parameters and optimizer state over {world} rank(s)"
     if not props.get("shard_master_weights") or world == 1:
         return "none (one copy of the optimizer state)"
     if props.get("master_weights"):
@@ -187,7 +190,7 @@ def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
         "half_dtype": None
         if props.get("opt_level") == "O0" or not props.get("enabled", True)
         else props.get("half_dtype"),
-        "sharding": _sharding(props, manifest["world_size"]),
+        "sharding": _sharding(props, manifest["world_size"], manifest.get("data_parallel")),
         "properties": props,
         "parameters": params,
         "optimizers": [

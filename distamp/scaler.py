@@ -805,6 +805,22 @@ class ScalerGroup:
         if check_grads and hashes[2] != -hashes[3]:
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             first = self._first_parted_grad(st, group)
+            # A parameter forward did not use, under DDP's default find_unused_parameters=False:
+            # DDP waits for its gradient and reduces neither its bucket nor any later one; the
+            # parted gradient named above is another bucket's (an audit hunted a wrap-order bug).
+            missing = [
+                self.param_names.get(id(p), "?")
+                for p in st.masters.model_params
+                if p.requires_grad and p.grad is None
+            ]
+            if missing:
+                first += (
+                    f"; parameters with no gradient on this rank: "
+                    f"{', '.join(map(repr, missing[:4]))}{' and more' if len(missing) > 4 else ''}"
+                    " — unused in forward under DDP built with find_unused_parameters=False, they "
+                    "leave their bucket and every later one unreduced: pass "
+                    "find_unused_parameters=True to DDP (or use every parameter)"
+                )
             raise RuntimeError(
                 f"{api}: expected the model's gradients identical on every rank of "
                 f"distamp.wrap's process_group (ranks {dist.get_process_group_ranks(group)}), as "

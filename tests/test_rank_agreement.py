@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from asserts import step_error
 from dist_harness import run_ranks
 from models import mlp
@@ -209,6 +210,44 @@ def test_ddp_built_before_wrap_is_refused_with_replicated_weights(level):
             message is not None and "DistributedDataParallel built before distamp.wrap" in message
         )
         assert "found them different (first: '0.weight')" in message, message
+
+
+def _unused_under_default_ddp(rank, world, level, rs_hook):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class WithSpare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(8, 2)
+            self.spare = torch.nn.Linear(8, 2)  # forward never calls it
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = WithSpare()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level=level, shard_master_weights=True, verbosity=0)
+    ddp = DDP(model)  # find_unused_parameters=False, torch's default
+    if rs_hook:
+        distamp.hooks.register(ddp, opt, reduce_scatter=True, gather_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+        scaled.backward()
+    return step_error(opt)
+
+
+@pytest.mark.parametrize(
+    "level,rs_hook", [("O2", False), ("O0", True)], ids=["O2-sharded", "O0-reduce-scatter-hook"]
+)
+def test_a_parameter_forward_never_used_under_default_ddp_is_named_at_step(level, rs_hook):
+    """Sharded masters compare the ranks' gradients at step(); DDP waiting for an unused
+    parameter's gradient reduces none of the later buckets, and the message named a parameter
+    forward did use, with causes that did not fit (an audit)."""
+    for message in run_ranks(_unused_under_default_ddp, 2, level, rs_hook, timeout=90):
+        assert message is not None and "'spare.weight', 'spare.bias'" in message, message
+        assert "pass find_unused_parameters=True" in message, message
 
 
 IGNORED = ["2.weight", "2.bias"]

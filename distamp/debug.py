@@ -54,7 +54,8 @@ def find_nonfinite(model: nn.Module, *args: Any, **kwargs: Any) -> NonFiniteModu
     whose output held inf/NaN, or None when every output was finite.
 
     Forward hooks are registered on every submodule for this call only and removed afterwards;
-    buffers (BatchNorm statistics) are restored, so the model is not changed. Slow (one host sync per module): use it when a step was skipped and
+    buffers (BatchNorm statistics) and the random number generators are restored, so neither the
+    model nor the run's later random draws are changed. Slow (one host sync per module): use it when a step was skipped and
     ``distamp.stats(optimizer).last_nonfinite`` does not tell enough.
     """
     if not isinstance(model, nn.Module):
@@ -79,8 +80,11 @@ def find_nonfinite(model: nn.Module, *args: Any, **kwargs: Any) -> NonFiniteModu
     # Post-order: a leaf's hook fires before its parent's, so the first report is the innermost.
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # BatchNorm statistics
+    # Dropout draws from the RNGs: forked, so that the run's later masks are the ones it would
+    # have drawn without this call (an audit: a call mid-run broke a bit-exact reproduction).
+    cuda = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             model(*args, **kwargs)
     finally:
         for handle in handles:

@@ -15,7 +15,8 @@ class NonFiniteReport:
     param: str
     """Qualified name of the parameter whose gradient was non-finite."""
     rank: int
-    """Lowest rank of the process group on which that gradient was non-finite."""
+    """Lowest rank (global: ``dist.get_rank()``'s numbering, also under a process_group of
+    some ranks) on which that gradient was non-finite."""
     on_every_rank: bool = False
     """Every rank of the group held it non-finite: after DDP's all-reduce every rank holds the
     reduced gradient, so the rank it came from cannot be told (distamp's reduce-scatter hook keeps
@@ -29,6 +30,9 @@ class NonFiniteReport:
     """Every rank's own gradient of ``param`` was finite; the non-finite values appeared where
     distamp's reduce-scatter hook summed them into the shards: the 16-bit wire overflowed
     (``rank`` is then the lowest rank whose shard holds them)."""
+    fp16_wire: bool = False
+    """``on_every_rank`` with distamp's all-reduce hook in fp16: the sum may have overflowed on
+    the wire (65504) with every rank's own gradient finite; which of the two is not known."""
     in_fsdp_shard: bool = False
     """Under FSDP: the gradient was read in the ranks' shards after FSDP's reduce-scatter, so
     ``rank`` is the lowest rank whose *shard* held it; the rank whose batch produced it is not
@@ -54,9 +58,16 @@ class NonFiniteReport:
                 "65504; a bf16 wire keeps FP32's range)"
             )
         if self.on_every_rank:
+            wire = (
+                "; or the fp16 wire overflowed in that all-reduce, every rank's own gradient "
+                "finite (fp16 ends at 65504; a bf16 wire keeps FP32's range)"
+                if self.fp16_wire
+                else ""
+            )
             return (
                 f"parameter {self.param!r} had {article} gradient on every rank (after the "
-                "gradients' all-reduce every rank holds it: the rank it came from is not known)"
+                f"gradients' all-reduce every rank holds it: the rank it came from is not "
+                f"known{wire})"
             )
         return f"parameter {self.param!r} had {article} gradient on rank {self.rank}"
 

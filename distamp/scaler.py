@@ -13,6 +13,7 @@ others step, then wait alone in the next collective. One 4-byte MAX all-reduce p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -272,6 +273,9 @@ class Backward:
     """The global decision, once taken at the first step of one of ``users``."""
     loss_kind: torch.Tensor | None = None
     """0-d int: 0 the loss was finite, 1 inf, 2 NaN (read only on skipped steps: no host sync)."""
+    report: NonFiniteReport | None = None
+    """What the decision named, for every optimizer the block skips (not only the one whose
+    step decided it)."""
 
 
 def _slots_by_kind(blocks: list[Backward]) -> list[int]:
@@ -336,6 +340,8 @@ class ScalerGroup:
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""
         self.hooked_ignored: set[int] = set()
+        self.fp16_all_reduce = False
+        """distamp's compress hook all-reduces in fp16 (see ``NonFiniteReport.fp16_wire``)."""
         """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
 
@@ -654,7 +660,7 @@ class ScalerGroup:
                 # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
                 self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
-            st.decision_report = read_evidence(
+            report = read_evidence(
                 evidence,
                 [b.loss_id for b in undecided],
                 n_params,
@@ -663,6 +669,18 @@ class ScalerGroup:
                 reduced_from=n_local,
                 fsdp=st.masters.fsdp,
             )
+            if report is not None and self.world > 1:
+                # The evidence counts ranks within wrap's process_group: named as the global
+                # rank (an audit, two groups of 2 at world 4: "rank 1" meant global rank 3).
+                group = self.process_group
+                report = dataclasses.replace(
+                    report,
+                    rank=report.rank if group is None else dist.get_global_rank(group, report.rank),
+                    fp16_wire=self.fp16_all_reduce and report.on_every_rank,
+                )
+            st.decision_report = report
+            for block in undecided:
+                block.report = report
             result = [values[slot] > 0 for slot in slot_of]
             if not st.backwards:
                 st.overflow = result[0]
@@ -895,6 +913,11 @@ class ScalerGroup:
     def after_skip(self, st: AmpOptimizerState) -> None:
         """After a skip this optimizer decided: log what the decision named, stop a hopeless loop."""
         if not st.decided_here:
+            # Its blocks were decided at another optimizer's step (one block listing both): the
+            # report is that decision's (an audit found None here while the culprit was ours).
+            st.last_nonfinite = next(
+                (b.report for b in st.backwards if b.overflow and b.report is not None), None
+            )
             return
         self.total_skips += 1
         overflowed = [b for b in st.backwards if b.overflow]

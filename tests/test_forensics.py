@@ -199,12 +199,18 @@ class Log(nn.Module):
 
 def test_find_nonfinite_names_the_first_module_and_changes_nothing():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), Log(), nn.Linear(4, 1))
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), Log(), nn.Linear(4, 1)
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    found = distamp.debug.find_nonfinite(model, torch.randn(8, 3))
-    assert found is not None and found.name == "2" and found.type == "Log"
+    x = torch.randn(8, 3)
+    rng = torch.get_rng_state()
+    found = distamp.debug.find_nonfinite(model, x)
+    # the dropout's draws did not move the run's RNG (an audit: later masks changed)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert found is not None and found.name == "3" and found.type == "Log"
     assert found.kind == "nan" and found.inputs_finite
-    assert "module '2' (Log) produced nan from finite inputs" in str(found)
+    assert "module '3' (Log) produced nan from finite inputs" in str(found)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # BatchNorm statistics restored
     assert distamp.debug.find_nonfinite(nn.Linear(3, 1), torch.randn(2, 3)) is None
@@ -331,3 +337,80 @@ def test_a_wire_overflow_in_the_reduce_scatter_is_named_as_one(shard_block):
         assert finite and skipped
         assert report is not None and report.after_reduce and report.param == names[0], report
         assert "every rank's own gradient finite: the 16-bit wire overflowed" in str(report)
+
+
+def fp16_all_reduce_overflow(rank, world):
+    """As wire_overflow, through the all-reduce hook: every rank's own gradient is finite, the
+    reduced one is not, and each rank holds only the reduced one."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O0", shard_master_weights=False, half_dtype=torch.float16
+    )
+    ddp = DDP(model)
+    distamp.hooks.register(ddp, opt, torch.float16)
+    x, y = data(1, 4 * world)[0]
+    loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4] * 1e6)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return distamp.stats(opt).last_step_skipped, distamp.stats(opt).last_nonfinite
+
+
+def test_a_skip_after_an_fp16_all_reduce_says_the_wire_may_have_overflowed():
+    """The reduce-scatter hook can tell a wire overflow from a rank's own inf; after the
+    all-reduce hook every rank holds the sum only, and the report said "on every rank" as if a
+    rank's gradient had been non-finite (an audit)."""
+    for skipped, report in run_ranks(fp16_all_reduce_overflow, 2):
+        assert skipped and report is not None and report.on_every_rank and report.fp16_wire
+        assert "or the fp16 wire overflowed in that all-reduce" in str(report), str(report)
+
+
+def _inf_in_a_subgroup(rank, world):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    group = groups[rank // 2]
+    model = GradProbe(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", process_group=group, verbosity=0)
+    ddp = DDP(model, process_group=group)
+    with distamp.scale_loss(ddp(torch.ones(4)), opt) as scaled:
+        scaled.backward()
+    if rank == 3:
+        model.w.grad[0] = float("inf")  # after the reduce: global rank 3 only
+    opt.step()
+    return distamp.stats(opt).last_step_skipped, distamp.stats(opt).last_nonfinite
+
+
+def test_the_rank_named_under_a_process_group_of_some_ranks_is_the_global_one():
+    """Two data-parallel groups of 2 at world 4: an inf on global rank 3 was reported as
+    "on rank 1" (its rank within the group), a rank of the other group that had none (an
+    audit)."""
+    results = run_ranks(_inf_in_a_subgroup, 4)
+    assert [skipped for skipped, _ in results] == [False, False, True, True]
+    for _, report in results[2:]:
+        assert report is not None and report.rank == 3 and "on rank 3" in str(report), report
+
+
+def test_every_optimizer_a_skipped_block_listed_gets_the_report():
+    """One scale_loss block listing two optimizers: the second to step skipped on the
+    decision the first one's step took, and its stats said nothing (last_nonfinite None) while
+    the culprit was its own parameter (an audit)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    [a, b], [oa, ob] = distamp.wrap([a, b], [oa, ob], opt_level="O0", verbosity=0)
+    with distamp.scale_loss(b(a(torch.randn(2, 4))).sum(), [oa, ob]) as scaled:
+        scaled.backward()
+    b.weight.grad[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        # (a gradient written at a loss scale of 1 is its unscaled self: nothing to warn about)
+        warnings.simplefilter("error")
+        oa.step()
+        ob.step()
+    for opt in (oa, ob):
+        stats = distamp.stats(opt)
+        assert stats.last_step_skipped and stats.last_nonfinite is not None
+        assert stats.last_nonfinite.param == "models[1].weight", stats.last_nonfinite

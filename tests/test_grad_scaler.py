@@ -167,3 +167,41 @@ def test_scale_promotes_a_half_loss_to_fp32_as_torch_does(dtype):
     ours = distamp.GradScaler().scale(loss)
     theirs = torch.amp.GradScaler("cpu").scale(loss)
     assert ours.dtype == theirs.dtype == torch.float32 and float(ours) == float(theirs) == 196608.0
+
+
+def _torch_fsdp2(rank, world):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = distamp.GradScaler()
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # DTensor's "implicitly creating a replicated DTensor"
+        for step in range(3):
+            loss = model(torch.randn(4, 8) + rank).pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 1 and rank == world - 1:
+                model[0].weight.grad.to_local().view(-1)[0] = float("inf")  # this shard only
+            before = model[0].weight.detach().full_tensor().clone()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            skipped.append(torch.equal(before, model[0].weight.detach().full_tensor()))
+    return skipped, scaler.get_scale()
+
+
+def test_with_torchs_fsdp2_an_inf_in_one_ranks_shard_skips_every_rank_without_warnings():
+    """torch's fully_shard with distamp.GradScaler in place of torch's: the found-inf flag and the
+    inverse scale were (1,)-shaped beside DTensor gradients, and DTensor warned of an implicit
+    replication at every step (an audit)."""
+    for skipped, scale in run_ranks(_torch_fsdp2, 2):
+        assert skipped == [False, True, False] and scale == 2.0**15

@@ -216,6 +216,7 @@ def register(
             masters.overlap_gather = True
         return zero
     state = CompressState(process_group=group, wire_dtype=wire)
+    st.group.fp16_all_reduce = wire == torch.float16
     hook: Any = bf16_compress_hook if wire == torch.bfloat16 else fp16_compress_hook
     ddp_model.register_comm_hook(state, hook)
     return state

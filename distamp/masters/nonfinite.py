@@ -58,8 +58,10 @@ def check_and_unscale_(
     flag = torch.zeros(1, dtype=torch.float32, device=device)
     for tensors, factor in ((dense, inv_scale), (coalesced_copies, 1.0)):
         for (dev, _), group in by_device_and_dtype(tensors).items():
-            found = torch.zeros(1, dtype=torch.float32, device=dev)
-            inv = torch.full((1,), factor, dtype=torch.float32, device=dev)
+            # 0-d, as torch's GradScaler makes them: (1,)-shaped ones beside DTensor gradients
+            # (torch's FSDP2) made DTensor warn of an implicit replication (an audit)
+            found = torch.zeros((), dtype=torch.float32, device=dev)
+            inv = torch.full((), factor, dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
             flag = torch.maximum(flag, found.to(device))
     return flag

@@ -970,6 +970,8 @@ def _scaled_grads_touched(st: AmpOptimizerState) -> bool | torch.Tensor:
     the skip decision, whose own host synchronization has made it ready: no second one."""
     if st.state is not OptState.SCALED or st.warned_touched_scaled or not st.scaled_grads:
         return False
+    if st.grad_scale == 1.0:  # (a scale of 1: the gradients are their unscaled selves)
+        return False
     if any(grad_version(param) != version for param, version in st.scaled_grads):
         return True
     if st.scaled_sample is None:

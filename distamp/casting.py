@@ -164,13 +164,16 @@ class AmpModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = type(self)._distamp_policy
         probes = self.__dict__.get("_distamp_dtype_probes")
-        if probes:
+        input_dtype = policy.input_dtype
+        if probes and self.__dict__.get("_distamp_copy"):
+            input_dtype = _copy_input_dtype(self, probes, input_dtype)
+        elif probes:
             check_dtypes(self, probes)
-        if policy.input_dtype is not None:
+        if input_dtype is not None:
             # See [Note: inputs cast down saturate].
-            args = cast_floating(args, policy.input_dtype, saturate=True)
+            args = cast_floating(args, input_dtype, saturate=True)
             if kwargs:
-                kwargs = cast_floating(kwargs, policy.input_dtype, saturate=True)
+                kwargs = cast_floating(kwargs, input_dtype, saturate=True)
         # torch.compile does not trace a context variable: a compiled forward keeps its autocast
         # (amp.disable_casts around a compiled call does not reach inside it).
         off = not torch.compiler.is_compiling() and casts_off(policy.device_type)
@@ -192,6 +195,25 @@ def dtype_probes(model: nn.Module) -> tuple[tuple[str, torch.dtype], ...]:
         if param.is_floating_point():
             probes.setdefault(param.dtype == torch.float32, (name, param.dtype))
     return tuple(probes.values())
+
+
+def _copy_input_dtype(
+    model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...], cast_to: torch.dtype | None
+) -> torch.dtype | None:
+    """[Note: a converted copy] A deep or pickled copy of a wrapped model (an EMA, a model saved
+    with ``torch.save(model)``) owns no masters, so converting it is the user's business:
+    ``copy.float()`` for an FP32 evaluation, ``.half()`` for an export. Refused before as if it
+    were the wrapped model ("convert before wrap"), and its forward went on casting inputs to
+    the half dtype of wrap (an audit). Its inputs follow its own cast weights' dtype now."""
+    if cast_to is None:
+        return None
+    for name, dtype in probes:
+        if dtype == cast_to:
+            try:
+                return model.get_parameter(name).dtype
+            except AttributeError:
+                break
+    return cast_to
 
 
 def check_dtypes(model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...]) -> None:
@@ -233,14 +255,17 @@ class FP32NormModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = _first_floating(args, kwargs)
         incoming = first.dtype if first is not None else type(self)._distamp_output_dtype
-        args = cast_floating(args, torch.float32)
+        # FP32 in the wrapped model (check_dtypes holds it there); a converted copy's own dtype
+        # (see [Note: a converted copy]).
+        own = next((p.dtype for p in self._parameters.values() if p is not None), torch.float32)
+        args = cast_floating(args, own)
         if kwargs:
-            kwargs = cast_floating(kwargs, torch.float32)
+            kwargs = cast_floating(kwargs, own)
         device = first.device.type if first is not None else device_type_of(self)
         # Autocast (when the user runs one around a half model) would cast the module back down.
         with torch.autocast(device, enabled=False):
             output = super().forward(*args, **kwargs)
-        if incoming is not None and incoming != torch.float32:
+        if incoming is not None and incoming != own:
             output = cast_floating(output, incoming)
         return output
 
@@ -303,7 +328,10 @@ def _reduce_generated(self: nn.Module, protocol: Any) -> Any:
     reduced = object.__reduce_ex__(self, protocol)
     if made is None or not isinstance(reduced, tuple):  # a class derived from ours (FSDP's)
         return reduced
-    return (_rebuild_generated, made, *reduced[2:])
+    state = reduced[2] if len(reduced) > 2 else None
+    if isinstance(state, dict) and "_distamp_dtype_probes" in state:
+        state = {**state, "_distamp_copy": True}  # see [Note: a converted copy]
+    return (_rebuild_generated, made, state, *reduced[3:])
 
 
 def _rebuild_generated(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any]) -> Any:

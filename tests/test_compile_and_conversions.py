@@ -87,6 +87,36 @@ def test_a_dtype_conversion_after_wrap_is_named_at_the_next_forward(name):
         model(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("convert", ["float", "half", "double"])
+def test_a_copy_of_a_wrapped_model_converts_and_runs_in_its_own_dtype(how, convert):
+    """An FP32 copy for evaluation (or a half one for export) of an O2 model: refused as if it
+    were the wrapped model, and its forward kept casting inputs to bf16 (an audit). A copy owns
+    no masters: it runs in the dtype it is given, its norm layers too."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    reference = copy.deepcopy(plain)
+    model, _ = distamp.wrap(plain, torch.optim.SGD(plain.parameters(), lr=0.1), opt_level="O2")
+    if how == "deepcopy":
+        duplicate = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        duplicate = torch.load(buffer, weights_only=False)
+    getattr(duplicate, convert)()
+    x = torch.randn(2, 8)
+    out = duplicate(x)
+    assert out.dtype == torch.float32  # O2's outputs come back FP32, as the wrapped model's
+    # the copy's weights are the bf16-rounded ones: within a few bf16 steps of FP32's output
+    torch.testing.assert_close(out, reference(x), atol=2e-2, rtol=0)
+    with pytest.raises(RuntimeError, match="distamp.wrap left it torch.bfloat16"):
+        model.float()(x)  # the wrapped model itself is still held to its dtypes
+
+
 def test_moving_a_wrapped_model_without_changing_dtypes_is_fine():
     model = distamp.wrap(net(), opt_level="O2", verbosity=0)
     model.to("cpu").train().eval()

@@ -304,6 +304,42 @@ def test_a_copy_taken_while_the_overlapped_gather_lands_is_refused():
         assert "with overlap_gather a copy after the first step is refused" in message
 
 
+def _pruned_after_the_gather(rank, world, overlap):
+    """Magnitude pruning between steps through ``.data`` (after ``finish_gather()``, as the
+    README asks under overlap_gather); FP32 weights: the same arithmetic with or without the
+    overlap."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=overlap)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        with distamp.scale_loss(
+            F.mse_loss(ddp(torch.randn(4, 8, generator=gen)), torch.zeros(4, 4)), opt
+        ) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            state.finish_gather()
+            weight = model[2].weight
+            weight.data = weight.data * (weight.detach().abs() > 0.1)
+    state.finish_gather()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_weight_replaced_after_the_overlapped_gather_landed_is_taken_as_a_write():
+    """``w.data = w.data * mask`` after ``finish_gather()``: with overlap_gather it was refused
+    at every later step, as if taken while the gather was in flight (an audit)."""
+    overlapped = run_ranks(_pruned_after_the_gather, 2, True)
+    plain = run_ranks(_pruned_after_the_gather, 2, False)
+    for a, b in zip(overlapped, plain, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+
+
 def _sparse_embedding(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 4))

@@ -195,6 +195,13 @@ class WeightGather:
             for g, works in enumerate(self.pending):
                 self.wait_rounds(g, len(works))
             self.pending, self.waited = [], []
+            if self.left_in_flight:
+                self.left_in_flight = False
+                self.landed_after_flight()
+
+    def landed_after_flight(self) -> None:
+        """Called once a gather left in flight has landed (sharded.py records the weights
+        replaced meanwhile)."""
 
     def wait_rounds(self, g: int, rounds: int) -> None:
         """Wait for the all-gathers of the first ``rounds`` rounds of group ``g`` (if in flight).

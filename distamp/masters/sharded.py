@@ -106,6 +106,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.left_in_flight = False
         """A step's gather was left to land during the next forward (see
         :meth:`_reattach_copies`)."""
+        self.copied_in_flight: set[int] = set()
+        """ids of the weights found replaced (``.data = ...``) when such a gather was finished:
+        taken while it was in flight, they are refused (see :meth:`_reattach_copies`)."""
         self.update_dtype: torch.dtype | None = None
         """Set by ``hooks.register(..., gather_dtype=torch.bfloat16)`` with FP32 weights: see
         [Note: 16-bit updates of FP32 weights]."""
@@ -314,10 +317,13 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         hold half-gathered weights, each rank its own new shard and the others' old ones, and
         putting it back overwrote the gathered values (an audit: off by 2e-3, silently); the
         copy is refused by name as before. A copy before the first such step (accelerate's
-        ``prepare``) is put back."""
+        ``prepare``) is put back, and so is one taken after ``finish_gather()`` (magnitude
+        pruning, an EMA swapped in through ``.data``: refused forever before, an audit)."""
         if self.left_in_flight:
             return
         for flat, r, p in self._not_in_place():
+            if id(p) in self.copied_in_flight:
+                continue  # taken while the gather was in flight: check_views refuses it
             same_kind = p.dtype == flat.dtype and p.device == flat.device
             if not (same_kind and tuple(p.shape) == r.shape and p.is_contiguous()):
                 continue  # another dtype, device or memory format: check_views names it
@@ -326,6 +332,10 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 view.copy_(p.detach())
             p.data = view
             self.load_value(p, p.detach(), written=True)
+
+    def landed_after_flight(self) -> None:
+        """See :meth:`_reattach_copies`: the weights replaced while the gather was in flight."""
+        self.copied_in_flight = {id(p) for _, _, p in self._not_in_place()}
 
     def _not_in_place(self) -> Iterator[tuple[torch.Tensor, ParamRange, nn.Parameter]]:
         """(flat buffer, range, parameter) of each sharded weight that is no longer the
@@ -360,7 +370,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 + (
                     "; with overlap_gather a copy after the first step is refused too (it "
                     "may hold half-gathered weights): move the model before training"
-                    if self.left_in_flight
+                    if self.left_in_flight or id(p) in self.copied_in_flight
                     else ""
                 )
             )

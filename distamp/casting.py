@@ -42,8 +42,9 @@ def is_norm(module: nn.Module) -> bool:
 
     [Note: recognizing norm layers] torch's classes (:data:`NORM_TYPES` and their subclasses,
     e.g. timm's ``LayerNorm2d``), and any module whose class name contains "norm" (any case) whose
-    own parameters are all vectors or scalars (weight, bias, gain) and whose submodules hold no
-    parameters: nanoGPT's ``LayerNorm(bias=False)``, Hugging Face's ``LlamaRMSNorm`` and
+    own parameters are all vectors or scalars (weight, bias, gain; also shaped for broadcasting,
+    ``(1, C, 1, 1)``: diffusion models' channel norms, an audit found them cast) and whose
+    submodules hold no parameters: nanoGPT's ``LayerNorm(bias=False)``, Hugging Face's ``LlamaRMSNorm`` and
     ``T5LayerNorm``, apex's ``FusedLayerNorm``. The shape rule keeps out modules that merely have
     "Norm" in their name but hold matrices (``NormalizedLinear``, DiT's ``AdaLayerNorm`` with its
     projection). Anything else is kept FP32 by ``keep_fp32_modules``; ``distamp.doctor`` lists
@@ -53,7 +54,10 @@ def is_norm(module: nn.Module) -> bool:
         return True
     if "norm" not in type(module).__name__.lower():
         return False
-    if any(p.is_floating_point() and p.dim() > 1 for p in module.parameters(recurse=False)):
+    if any(
+        p.is_floating_point() and sum(size > 1 for size in p.shape) > 1
+        for p in module.parameters(recurse=False)
+    ):
         return False
     return not any(True for child in module.children() for _ in child.parameters())
 

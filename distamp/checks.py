@@ -147,6 +147,13 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                         else ""
                     )
                     + (
+                        ". A float64 parameter kept on purpose: distamp steps FP32 weights (and "
+                        "their half copies), at every opt_level; keep it as a buffer if it is "
+                        "not trained, or make it float32 before wrap"
+                        if param.dtype == torch.float64
+                        else ""
+                    )
+                    + (
                         " — frozen parameters too (requires_grad=False): a half frozen base "
                         "(QLoRA-style) is not supported yet; load it in FP32 (O2 casts it to "
                         "the half dtype without masters' cost for frozen weights outside the "

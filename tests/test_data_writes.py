@@ -92,3 +92,18 @@ def test_weight_clipping_through_data_reaches_the_masters_under_16_bit_updates()
         for step, (got, want) in enumerate(zip(r["amp"], r["ref"], strict=True)):
             diff = (got - want).abs().max().item()
             assert diff <= (2e-4 if step < 3 else 1e-2), (step, diff)
+
+
+def test_a_weight_resized_after_wrap_is_refused_by_name_with_replicated_masters():
+    """Hugging Face's resize_token_embeddings after wrap (the embedding's .data replaced by a
+    larger tensor): replicated masters failed in a reshape deep inside, naming nothing (an
+    audit); sharded ones named it already."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    model[0].weight.data = torch.zeros(12, 4, dtype=model[0].weight.dtype)
+    with distamp.scale_loss(model(torch.tensor([1, 11])).float().sum(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' has shape \(12, 4\), its FP32 "):
+        opt.step()

@@ -105,6 +105,13 @@ def test_norm_recognition_by_name_and_shape():
     assert not is_norm(AdaLayerNorm())
     assert not is_norm(nn.Linear(4, 4))
 
+    class ChanRMSNorm(nn.Module):  # lucidrains' diffusion models: a gain shaped to broadcast
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(1, 8, 1, 1))
+
+    assert is_norm(ChanRMSNorm())
+
 
 # -- buffers ---------------------------------------------------------------------------------------
 

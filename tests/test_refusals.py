@@ -72,6 +72,15 @@ def test_half_parameters_are_refused_by_name():
     assert_unchanged(before, model, opt)
 
 
+def test_a_float64_parameter_is_refused_with_advice_of_its_own():
+    """The half-weights advice ("do not call .half()") did not fit a float64 parameter kept on
+    purpose (an audit)."""
+    model, opt = fresh()
+    model.fc2.double()
+    with pytest.raises(ValueError, match=r"'fc2.weight' has dtype torch.float64.*keep it as a buf"):
+        distamp.wrap(model, opt, opt_level="O0")
+
+
 def test_a_module_shared_with_a_model_wrapped_before_points_to_one_call():
     """Two models sharing a submodule, wrapped in two calls at O2: the first cast the shared
     weights, so the second finds them half. The message said only "do not call .half()", which

@@ -150,7 +150,7 @@ def save_checkpoint(
     target = _Target(model, optimizer, "save_checkpoint")
     for view in target.views:  # see [Note: weights written after wrap] in masters/base.py
         if view.st is not None:
-            view.st.masters.take_written_weights()
+            view.st.masters.take_written_weights(view.st.group.param_names)
     given = Path(directory)
     # [Note: a checkpoint path that is a symbolic link] (checkpoints on another volume) The save
     # goes where the link points, its temporary and old copies beside the target, and the link

@@ -93,8 +93,22 @@ class MasterParams(ModelGrads):
             p._version if s else -1 for p, s in zip(self.model_params, self.separate, strict=True)
         ]
 
-    def take_written_weights(self) -> None:
-        """See [Note: weights written after wrap] in base.py."""
+    def take_written_weights(self, names: dict[int, str] | None = None) -> None:
+        """See [Note: weights written after wrap] in base.py. A weight whose shape changed
+        (``.data`` replaced by a larger tensor: Hugging Face's ``resize_token_embeddings``) is
+        refused by name: it failed in a reshape deep inside ("shape '[64, 32]' is invalid for
+        input of size 2560", an audit), where sharded masters name it."""
+        for i, (p, m, s) in enumerate(
+            zip(self.model_params, self.masters, self.separate, strict=True)
+        ):
+            if s and p.shape != m.shape:
+                raise ValueError(
+                    f"parameter {(names or {}).get(id(p), f'<param {i}>')!r} has shape "
+                    f"{tuple(p.shape)}, its FP32 master {tuple(m.shape)}: its storage was "
+                    "replaced after distamp.wrap (an assignment to .data; Hugging Face's "
+                    "resize_token_embeddings). Expected such changes before distamp.wrap: resize "
+                    "the model first, then wrap it"
+                )
         if len(self.weight_versions) == len(self.model_params):  # (a group added since: new)
             for p, s, version in zip(
                 self.model_params, self.separate, self.weight_versions, strict=True

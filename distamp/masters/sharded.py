@@ -531,7 +531,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     # more numbers in the same collective), so ranks that parted raise, every one of them, at
     # the next step instead of training apart.
 
-    def take_written_weights(self) -> None:
+    def take_written_weights(self, names: dict[int, str] | None = None) -> None:
         """See [Note: weights written after wrap] in base.py: this rank's pieces of each written
         weight (every rank holds the same weights). The gathers write the flat buffer, not the
         parameters' own version counters, so only writes through the parameters count."""

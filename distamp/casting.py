@@ -261,7 +261,10 @@ class FP32NormModule(nn.Module):
         incoming = first.dtype if first is not None else type(self)._distamp_output_dtype
         # FP32 in the wrapped model (check_dtypes holds it there); a converted copy's own dtype
         # (see [Note: a converted copy]).
-        own = next((p.dtype for p in self._parameters.values() if p is not None), torch.float32)
+        own = next(
+            (p.dtype for p in self._parameters.values() if p is not None and p.is_floating_point()),
+            torch.float32,
+        )
         args = cast_floating(args, own)
         if kwargs:
             kwargs = cast_floating(kwargs, own)

@@ -340,9 +340,9 @@ class ScalerGroup:
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""
         self.hooked_ignored: set[int] = set()
+        """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self.fp16_all_reduce = False
         """distamp's compress hook all-reduces in fp16 (see ``NonFiniteReport.fp16_wire``)."""
-        """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
 
     def ddp_ignored(self) -> frozenset[int]:

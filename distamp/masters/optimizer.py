@@ -216,9 +216,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
         _refuse_or_warn_unlisted(st)
-        st.masters.take_written_weights(
-            st.group.param_names
-        )  # see [Note: weights written after wrap]
+        # see [Note: weights written after wrap]
+        st.masters.take_written_weights(st.group.param_names)
         touched, scale = _scaled_grads_touched(st), st.grad_scale
         if st.state is not OptState.UNSCALED:
             st.group.unscale_and_decide(st)
@@ -374,9 +373,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         at the same world size; :func:`distamp.save_checkpoint` writes one checkpoint for all.
         """
         st = self._distamp
-        st.masters.take_written_weights(
-            st.group.param_names
-        )  # see [Note: weights written after wrap]
+        # see [Note: weights written after wrap]
+        st.masters.take_written_weights(st.group.param_names)
         shard = _shard_of(st)
         by_wrap = isinstance(st.masters, ShardedMasterParams)  # (FSDP's are FSDP's own habit)
         # Not before the first step: accelerate's prepare() round-trips the state dict then, and

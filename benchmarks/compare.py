@@ -871,9 +871,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     }.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for flag, least in (("rounds", 1), ("steps", 1), ("warmup", 0)):
+    checks = (
+        ("rounds", 1),
+        ("steps", 1),
+        ("warmup", 0),
+        ("world", 1),
+        ("batch", 1),
+        ("seq", 1),
+        ("threads", 1),
+        ("nodes", 0),
+    )
+    for flag, least in checks:  # (all before anything runs: an audit's --world 0 "ran", exit 0)
         if getattr(args, flag) < least:
             parser.error(f"--{flag}: expected at least {least}, got {getattr(args, flag)}")
+    for flag in ("lr", "bucket_mb", "timeout"):
+        value = getattr(args, flag)
+        if value is not None and not (value > 0 and value < float("inf")):
+            parser.error(f"--{flag.replace('_', '-')}: expected a finite number > 0, got {value}")
+    if args.nodes:
+        try:
+            rate_bits_per_s(args.link)
+        except ValueError as exc:
+            parser.error(str(exc))
+    for flag in ("out_dir", "profile"):
+        path = getattr(args, flag)
+        if path is not None and path.exists() and not path.is_dir():
+            parser.error(
+                f"--{flag.replace('_', '-')} {path}: expected a folder (made if missing), "
+                "found a file"
+            )
     if args.nodes and args.world % args.nodes:
         parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
     unknown = [c for c in args.only or () if c not in CONFIGS]
@@ -886,13 +912,14 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> None:
+def main() -> int:
+    """The comparison's exit code: 1 when no row trained (every one failed or was skipped)."""
     args = parse_args()
     if args.worker is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         opts = json.loads(Path(args.opts_file).read_text())
         worker(rank, world, None, args.worker, opts, args.result)
-        return
+        return 0
     # [Note: a signal runs the cleanup] SIGTERM (timeout, kill, a CI's cancel) and SIGHUP end the
     # process without unwinding: the emulated cluster's namespaces, its ranks and the temporary
     # directory stayed behind. Raised as SystemExit, the finally blocks and context managers run
@@ -983,7 +1010,11 @@ def main() -> None:
     (args.out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
         print(plot(rows, args.out_dir / f"{stem}.png", floor))
+    if all("skipped" in r for r in rows):
+        print("compare.py: no configuration trained (see the table's reasons)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

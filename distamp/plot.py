@@ -96,12 +96,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Raises ``ImportError`` with the install command when matplotlib is missing.
     """
+    run = read_run(run_dir)  # first: a run dir without metrics says so, matplotlib or not
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(f"matplotlib is not installed: {INSTALL_HINT}") from error
-    run = read_run(run_dir)
     target = Path(out) if out is not None else Path(run_dir) / PICTURE
 
     # The object API (Figure + Agg canvas), not pyplot: no global figure state, no GUI backend.
@@ -165,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         "-o", "--out", type=Path, default=None, help=f"image to write (default: RUN_DIR/{PICTURE})"
     )
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"-o {args.out}: expected an image file, found a directory")
     try:
+        if not read_run(args.run_dir).steps:  # (an audit: a blank picture and exit 0)
+            raise ValueError(
+                f"{Path(args.run_dir) / METRICS}: no records (expected JSON lines with step, "
+                "loss and loss_scale, as the example writes them)"
+            )
         path = plot_run(args.run_dir, args.out)
     except (ImportError, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

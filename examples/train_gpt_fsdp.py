@@ -79,7 +79,7 @@ def parse_args() -> argparse.Namespace:
         "--resume",
         default="none",
         help="a checkpoint folder to start from; 'auto': the newest complete one in --ckpt-dir, "
-        "if any; 'none' (default)",
+        "if any; 'none'",
     )
     add_progress_arguments(parser, log_every=5, run_name="gpt-fsdp-SIZE")
     add_check_args(parser)

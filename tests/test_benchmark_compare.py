@@ -249,11 +249,27 @@ def test_a_flag_given_wins_over_quick_and_the_workload():
     assert values(parse_args(["--workload", "w0", "--seq", "64"]))[:3] == ("micro", 64, 1)
 
 
-@pytest.mark.parametrize("flag", [["--rounds", "0"], ["--steps", "0"], ["--warmup", "-1"]])
-def test_rounds_and_steps_below_one_are_refused_before_anything_runs(flag, capsys):
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize(
+    "flag,says",
+    [
+        (["--rounds", "0"], "--rounds: expected at least 1"),
+        (["--steps", "0"], "--steps: expected at least 1"),
+        (["--warmup", "-1"], "--warmup: expected at least 0"),
+        # an audit: these ran (--world 0, --batch 0: every row failed, exit 0) or failed late
+        (["--world", "0"], "--world: expected at least 1, got 0"),
+        (["--batch", "0"], "--batch: expected at least 1, got 0"),
+        (["--threads", "0"], "--threads: expected at least 1, got 0"),
+        (["--nodes", "-2"], "--nodes: expected at least 0, got -2"),
+        (["--nodes", "2", "--link", "fast"], "--link: expected a rate like 1gbit"),
+        (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+        (["--out-dir", __file__], "expected a folder (made if missing), found a file"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_runs(flag, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         parse_args(flag)
-    assert f"{flag[0]}: expected at least" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 def _round(times: list[float]) -> list[dict]:

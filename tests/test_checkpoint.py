@@ -725,6 +725,36 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     assert as_json.returncode == 1
 
 
+def test_consolidate_cli_leaves_no_truncated_file_and_refuses_a_folder(tmp_path):
+    """A failed write left a truncated OUT.pt (torch.load: "failed finding central directory"),
+    over a good one; a folder as OUT gave torch's "[enforce fail at inline_container.cc]" (an
+    audit)."""
+    import resource
+
+    model, opt, _ = make("O2", big=1 << 16)  # 256 KB of weights: past the write limit below
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt)
+    out = tmp_path / "fp32.pt"
+    cli = [sys.executable, "-m", "distamp.checkpoint", "consolidate", str(tmp_path / "ckpt")]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    subprocess.run([*cli, str(out)], env=env, check=True, capture_output=True)
+    good = out.read_bytes()
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not the signal's kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 15, resource.RLIM_INFINITY))
+
+    failed = subprocess.run(
+        [*cli, str(out)], env=env, capture_output=True, text=True, preexec_fn=small_files
+    )
+    assert failed.returncode == 1 and f"cannot write OUT.pt {out}" in failed.stderr
+    assert out.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "fp32.pt",
+    ]
+    folder = subprocess.run([*cli, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert folder.returncode == 2 and "expected a file path, found a directory" in folder.stderr
+
+
 def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     model, opt, sched = make("O2")
     train(model, opt, sched, 0, 1, 0, 2)

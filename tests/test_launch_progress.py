@@ -187,6 +187,16 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
 
     assert plot.main([str(tmp_path / "nothing")]) == 1
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+    # an empty (or all-junk) metrics file: an error, not a blank picture and exit 0 (an audit)
+    empty = tmp_path / "runs" / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("not json\n")
+    assert plot.main([str(empty)]) == 1 and not (empty / "metrics.png").exists()
+    assert "metrics.jsonl: no records" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # -o a folder: said so, not a .partial's errno
+        plot.main([str(run_dir), "-o", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "expected an image file, found a directory" in capsys.readouterr().err
 
 
 def test_auto_opt_level_picks_the_machines_fastest_configuration_and_says_why_first(tmp_path):

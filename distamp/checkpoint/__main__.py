@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p_cons.add_argument("output", type=Path)
     p_cons.add_argument("--model-index", type=int, default=0, help="which model of a list")
     args = parser.parse_args(argv)
+    if args.command == "consolidate" and (args.output.is_dir() or not args.output.name):
+        parser.error(f"OUT {args.output}: expected a file path, found a directory")
     try:
         if args.command == "inspect":
             info = inspect(args.directory, verify=args.verify)
@@ -73,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         state = consolidate(args.directory, model_index=args.model_index)
+        # Written beside OUT and renamed over it: a failed write (a full disk, a file size
+        # limit) left a truncated OUT.pt that torch.load could not read, over a good one (an
+        # audit).
+        partial = args.output.with_name(args.output.name + ".partial")
         try:
             args.output.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, args.output)
-        except (OSError, RuntimeError) as exc:  # a folder, a path under a file, read-only
+            torch.save(state, partial)
+            os.replace(partial, args.output)
+        except (OSError, RuntimeError) as exc:  # a path under a file, read-only, disk full
             print(f"error: cannot write OUT.pt {args.output}: {exc}", file=sys.stderr)
             return 1
+        finally:
+            partial.unlink(missing_ok=True)
         count = sum(v.numel() for v in state.values() if v.is_floating_point())
         print(f"wrote {args.output}: {len(state)} entries, {count:,} FP32 values")
         return 0

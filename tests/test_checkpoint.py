@@ -680,7 +680,9 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
         text=True,
         env=env,
     )
-    assert into_a_folder.returncode == 1 and "cannot write OUT.pt" in into_a_folder.stderr
+    # a folder as OUT: a usage error, before the checkpoint is read (exit 2, as argparse's)
+    assert into_a_folder.returncode == 2, into_a_folder.stderr
+    assert "expected a file path, found a directory" in into_a_folder.stderr
     state = torch.load(target, weights_only=True)
     plain = Net()
     plain.load_state_dict(state)  # strict: every key, every shape
@@ -725,10 +727,9 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     assert as_json.returncode == 1
 
 
-def test_consolidate_cli_leaves_no_truncated_file_and_refuses_a_folder(tmp_path):
+def test_consolidate_cli_leaves_no_truncated_file_behind(tmp_path):
     """A failed write left a truncated OUT.pt (torch.load: "failed finding central directory"),
-    over a good one; a folder as OUT gave torch's "[enforce fail at inline_container.cc]" (an
-    audit)."""
+    over a good one (an audit)."""
     import resource
 
     model, opt, _ = make("O2", big=1 << 16)  # 256 KB of weights: past the write limit below
@@ -751,8 +752,6 @@ def test_consolidate_cli_leaves_no_truncated_file_and_refuses_a_folder(tmp_path)
         "ckpt",
         "fp32.pt",
     ]
-    folder = subprocess.run([*cli, str(tmp_path)], env=env, capture_output=True, text=True)
-    assert folder.returncode == 2 and "expected a file path, found a directory" in folder.stderr
 
 
 def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):

@@ -44,19 +44,13 @@ from .collectives import (
     checks_on_every_rank,
 )
 from .config import DISABLED_ATTR, HALF_DTYPES, Properties, resolve_properties
-from .masters.base import ModelGrads
+from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .scaler import ScalerGroup, split_loss_scale
 
 BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class FSDPParams(ModelGrads):
@@ -85,7 +79,7 @@ class FSDPParams(ModelGrads):
         return list(params)
 
     def _local_grads(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for p in self.model_params if p.grad is not None]
+        return [local_tensor(p.grad) for p in self.model_params if p.grad is not None]
 
     def model_grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.model_params]
@@ -167,7 +161,7 @@ class FSDPParams(ModelGrads):
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 for grad in (held, getattr(unsharded, "grad", None)):
                     if isinstance(grad, torch.Tensor):
-                        out.append(_local(grad))
+                        out.append(local_tensor(grad))
         return out
 
     def before_backward(self) -> None:
@@ -203,7 +197,7 @@ class FSDPParams(ModelGrads):
                 continue
             groups = self._shard_groups(p.grad)
             entry = by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))
-            entry[1].append(_local(p.grad))
+            entry[1].append(local_tensor(p.grad))
         parts = [torch.zeros(1, dtype=torch.float32, device=device)]
         for groups, grads in by_groups.values():
             part = norm_part(grads, norm_type, device)
@@ -252,7 +246,9 @@ class FSDPParams(ModelGrads):
         """FP32 shards held here when they stand in for master weights (O2), else 0."""
         if not self.props.master_weights:
             return 0
-        return sum(_local(p).numel() * _local(p).element_size() for p in self.model_params)
+        return sum(
+            local_tensor(p).numel() * local_tensor(p).element_size() for p in self.model_params
+        )
 
     def master_tensors(self) -> list[torch.Tensor]:
         return []

@@ -32,7 +32,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
-from .masters.base import bit_hash, grad_samples, grad_version
+from .masters.base import bit_hash, grad_samples, grad_version, local_tensor
 from .optstate import OptState
 
 if TYPE_CHECKING:
@@ -375,7 +375,7 @@ class ScalerGroup:
         for ref in self.models:
             model = ref()
             for name, param in model.named_parameters() if model is not None else ():
-                local = param.to_local() if hasattr(param, "to_local") else param
+                local = local_tensor(param)
                 if local.numel() and not bool(torch.isfinite(local).all()):
                     kind = "NaN" if bool(torch.isnan(local).any()) else "inf"
                     return f"parameter {name!r} holds {kind}"

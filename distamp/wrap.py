@@ -36,7 +36,7 @@ from .config import (
     resolve_properties,
 )
 from .forensics import NonFiniteReport
-from .masters.base import MasterWeights
+from .masters.base import MasterWeights, local_tensor
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
     AmpOptimizer,
@@ -929,7 +929,6 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for per_param in optimizer.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor):
-                to_local = getattr(value, "to_local", None)
-                local = to_local() if callable(to_local) else value
+                local = local_tensor(value)
                 total += local.numel() * local.element_size()
     return total

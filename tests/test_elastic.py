@@ -98,17 +98,23 @@ def test_workers_leave_when_torchrun_itself_is_killed(tmp_path):
             if "step" in line and "loss" in line:
                 break
         workers = _children(agent.pid)
-        assert len(workers) == 2, workers
-        agent.kill()
-        agent.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(map(_alive, workers)), "workers outlived their torchrun agent"
+        _kill_the_agent_and_see_its_workers_leave(agent, workers, within_s=30)
     finally:
         agent.kill()
         for pid in filter(_alive, workers):
             os.kill(pid, 9)
+
+
+def _kill_the_agent_and_see_its_workers_leave(
+    agent: subprocess.Popen, workers: list[int], within_s: float
+) -> None:
+    assert len(workers) == 2, workers
+    agent.kill()
+    agent.wait(timeout=30)
+    deadline = time.monotonic() + within_s
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, workers)), "workers outlived their torchrun agent"
 
 
 def _workers(agent: int) -> list[int]:
@@ -140,13 +146,8 @@ def test_workers_leave_when_torchrun_is_killed_while_they_start(tmp_path):
         while len(workers) < 2 and time.monotonic() < deadline:
             workers = _workers(agent.pid)
             time.sleep(0.02)
-        assert len(workers) == 2, workers
-        agent.kill()  # at once: the workers have not imported torch yet
-        agent.wait(timeout=30)
-        deadline = time.monotonic() + 60
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(map(_alive, workers)), "workers outlived their torchrun agent"
+        # at once: the workers have not imported torch yet
+        _kill_the_agent_and_see_its_workers_leave(agent, workers, within_s=60)
     finally:
         agent.kill()
         for pid in filter(_alive, workers):

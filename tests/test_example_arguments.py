@@ -86,19 +86,12 @@ def test_check_args_refuses_a_bad_value_and_passes_a_good_one_without_a_process_
 
     path = Path(__file__).resolve().parents[1] / "examples" / script
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    bad = subprocess.run(
-        [sys.executable, str(path), "--clip", "nan", "--check-args"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+
+    def check(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(path), *args, "--check-args"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    bad = check("--clip", "nan")
     assert bad.returncode == 2 and "--clip" in bad.stderr and "nan" in bad.stderr, bad.stderr
-    good = subprocess.run(
-        [sys.executable, str(path), "--steps", "3", "--check-args"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    good = check("--steps", "3")
     assert good.returncode == 0 and not good.stdout, good.stdout + good.stderr

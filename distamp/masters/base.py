@@ -244,6 +244,13 @@ class ModelGrads:
         return torch.device("cpu")
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer state), or the
+    tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
     """Identity and version counter of ``param.grad`` (None when it has none)."""
     grad = param.grad

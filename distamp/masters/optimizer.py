@@ -29,7 +29,7 @@ from ..collectives import check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES
 from ..forensics import NonFiniteReport
 from ..optstate import OptState
-from .base import grad_version
+from .base import grad_version, local_tensor
 from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
 from .sharded import ShardedMasterParams
 
@@ -480,7 +480,7 @@ def _torch_state_init_step(optimizer: torch.optim.Optimizer) -> bool:
                 if param.requires_grad:
                     return False
                 continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local = local_tensor(grad)
             if bool(local.any()):
                 return False
     return True
@@ -808,13 +808,7 @@ def _zeroed_since_adopted(st: AmpOptimizerState) -> bool:
     if [grad_version(p) for p in params] == st.adopted_grads:
         return False
     with torch.no_grad():
-        return all(p.grad is None or not bool(_local(p.grad).any()) for p in params)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient's local shard (FSDP); any other as it is."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
+        return all(p.grad is None or not bool(local_tensor(p.grad).any()) for p in params)
 
 
 def _decide_with_no_blocks(st: AmpOptimizerState) -> None:

@@ -128,7 +128,10 @@ class _ScalerView:
                 f"amp._amp_state.loss_scalers[i]._loss_scale: expected a positive finite number, "
                 f"got {value!r}"
             )
-        self._scaler.scale = float(value)
+        if self._scaler.dynamic:  # kept inside min/max_loss_scale, as a loaded scale is
+            self._scaler.set_loaded_scale(float(value), "the _loss_scale set,", stacklevel=3)
+        else:  # apex's static scaler takes the value set
+            self._scaler.scale = float(value)
 
     @property
     def _unskipped(self) -> int:
@@ -217,7 +220,10 @@ def load_state_dict(state: dict[str, Any]) -> None:
         scale = float(state[key]["loss_scale"])
         if not 0 < scale < float("inf"):
             raise ValueError(f"amp.load_state_dict: {key}: expected a positive finite loss_scale")
-        scaler.scale = scale
+        if scaler.dynamic:  # the bounds optimizer.load_state_dict keeps (called before this)
+            scaler.set_loaded_scale(scale, f"amp.load_state_dict's {key}", stacklevel=3)
+        else:  # apex's static scaler takes the loaded value (apex's own tests set it so)
+            scaler.scale = scale
         scaler.clean_steps = int(state[key].get("unskipped", 0))
 
 

@@ -152,11 +152,21 @@ def casts_off(device_type: str) -> bool:
     ran in bf16 (reentrant: gradients 4.4e-3 off the forward's FP32; non-reentrant: a
     CheckpointError about dtypes, an audit). So the block also enters ``torch.autocast(
     enabled=False, cache_enabled=False)``, which the checkpoint restores, and autocast disabled
-    with its cache off counts as the block (elsewhere that pairing is autocast turned off inside
-    a cache-less one, the CUDA-graphs recipe: there too the caller asked for no casting)."""
+    with its cache off *during a backward* (where recomputations run) counts as the block.
+    Outside a backward that pairing is no mark: torch turns the cache off globally in
+    ``make_fx`` and the TorchScript ONNX exporter, and ``torch.set_autocast_cache_enabled(False)``
+    is public — O1 went silently FP32 there (an audit)."""
     if CASTS_OFF.get():
         return True
+    if _graph_task_id() == -1:  # not inside a backward: no recomputation
+        return False
     return not torch.is_autocast_enabled(device_type) and not torch.is_autocast_cache_enabled()
+
+
+def _graph_task_id() -> int:
+    """The autograd engine's current graph task, -1 outside a backward."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return 0 if current is None else int(current())  # unknown: keep the recomputation mark
 
 
 class AmpModule(nn.Module):

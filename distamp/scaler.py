@@ -135,8 +135,11 @@ class LossScaler:
 
     @property
     def at_floor(self) -> bool:
-        """True when the scale cannot back off any further."""
-        return self.min_loss_scale is not None and self.scale <= self.min_loss_scale
+        """True when a dynamic scale cannot back off any further (a static scale has no floor:
+        apex ignores ``min_loss_scale`` without dynamic scaling)."""
+        return (
+            self.dynamic and self.min_loss_scale is not None and self.scale <= self.min_loss_scale
+        )
 
     def update(self, overflow: bool) -> None:
         """Advance the scale by one optimizer step; ``overflow`` must be the global decision."""
@@ -203,6 +206,23 @@ class LossScaler:
                     f"loss scaler state: expected a count >= 0 for {key!r}, got {state[key]!r}"
                 )
 
+    def set_loaded_scale(self, saved: float, source: str, stacklevel: int = 2) -> None:
+        """Take a loss scale from outside (a checkpoint, apex's ``amp.load_state_dict``), brought
+        inside this run's settings with a warning naming both: ``source`` says whose scale."""
+        if self.dynamic:
+            low = self.min_loss_scale if self.min_loss_scale is not None else 0.0
+            scale = min(max(saved, low), self.max_loss_scale)
+            bound = "max_loss_scale" if saved > self.max_loss_scale else "min_loss_scale"
+        else:
+            scale, bound = float(self.settings["loss_scale"]), "static loss_scale"
+        if scale != saved:
+            warnings.warn(
+                f"loss scaler: {source} loss scale {saved:g} is outside this run's "
+                f"settings ({bound} {scale:g}): using {scale:g}",
+                stacklevel=stacklevel + 1,
+            )
+        self.scale = scale
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; refuses a static/dynamic mismatch.
 
@@ -212,20 +232,7 @@ class LossScaler:
         raised "skipped at the minimum loss scale" naming a scale never used (an audit). The
         saved state is brought inside this run's settings, with a warning naming both."""
         self.check_state(state)
-        saved = float(state["scale"])
-        if self.dynamic:
-            low = self.min_loss_scale if self.min_loss_scale is not None else 0.0
-            scale = min(max(saved, low), self.max_loss_scale)
-            bound = "max_loss_scale" if saved > self.max_loss_scale else "min_loss_scale"
-        else:
-            scale, bound = float(self.settings["loss_scale"]), "static loss_scale"
-        if scale != saved:
-            warnings.warn(
-                f"loss scaler: the checkpoint's loss scale {saved:g} is outside this run's "
-                f"settings ({bound} {scale:g}): resuming at {scale:g}",
-                stacklevel=2,
-            )
-        self.scale = scale
+        self.set_loaded_scale(float(state["scale"]), "the checkpoint's", stacklevel=3)
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = min(int(state["hysteresis_left"]), self.hysteresis)
         self.consecutive_skips = int(state["consecutive_skips"])

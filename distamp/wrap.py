@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -764,7 +765,12 @@ def scale_loss(
         yield loss
         return
     group = states[0].group
-    if not isinstance(loss_id, int) or not 0 <= loss_id < group.props.num_losses:
+    if isinstance(loss_id, bool) or not hasattr(loss_id, "__index__"):
+        raise TypeError(
+            f"scale_loss: expected loss_id as an int, got {type(loss_id).__name__} ({loss_id!r})"
+        )
+    loss_id = operator.index(loss_id)  # numpy's and torch's integers too, as apex indexed with it
+    if not 0 <= loss_id < group.props.num_losses:
         raise ValueError(
             f"scale_loss: loss_id must be in [0, num_losses={group.props.num_losses}), got "
             f"{loss_id!r}; pass num_losses to "

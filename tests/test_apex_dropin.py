@@ -11,7 +11,10 @@ from models import data, mlp
 from torch import nn
 
 import distamp
-from distamp import amp  # the one line an apex script changes
+from distamp import (
+    NonFiniteGradientError,
+    amp,  # the one line an apex script changes
+)
 
 STEPS = 12
 
@@ -205,6 +208,108 @@ def test_apex_checkpoint_recipe_with_amp_disabled_is_a_no_op():
     amp.load_state_dict(saved)
     with pytest.warns(UserWarning, match=r"made no loss scalers.*loss_scaler0"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}})
+
+
+@pytest.mark.parametrize(
+    "opt_level,kwargs",
+    [("O3", {"min_loss_scale": 1.0}), ("O2", {"loss_scale": 128.0, "min_loss_scale": 512.0})],
+)
+def test_a_static_scale_skips_an_overflow_whatever_min_loss_scale_says(opt_level, kwargs):
+    """A script that always passes min_loss_scale (DeepSpeed's default 1) and switches to a
+    static scale stopped at its first overflow with "skipped at the minimum loss scale" (an
+    audit); apex ignores min_loss_scale without dynamic scaling."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, **kwargs)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step, (x, y) in enumerate(data(2, 8)):
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if step == 0:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert distamp.stats(optimizer).skipped_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _driven_to_scale_2():
+    """An O2 run whose overflows took the scale down to 2, saved by apex's recipe."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    for x, y in data(15, 8):
+        loss = F.mse_loss(model(x).float(), y) * float("inf")  # every step overflows
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "amp": amp.state_dict(),
+    }
+
+
+def test_amp_load_state_dict_keeps_this_runs_loss_scale_bounds():
+    """apex's resume order loads the optimizer, then ``amp.load_state_dict``: the latter wrote the
+    saved scale back under the min_loss_scale the former had enforced, and the first overflow
+    raised "skipped at the minimum loss scale 1024" at scale 2; one above max_loss_scale stayed
+    above it (an audit). Both go through the same bounds now, as does ``_loss_scale``."""
+    saved = _driven_to_scale_2()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", verbosity=0, min_loss_scale=1024.0
+    )
+    model.load_state_dict(saved["model"])
+    with pytest.warns(UserWarning, match="checkpoint's loss scale 2 .*min_loss_scale 1024"):
+        optimizer.load_state_dict(saved["optimizer"])
+    with pytest.warns(UserWarning, match="loss_scaler0 loss scale 2 .*min_loss_scale 1024"):
+        amp.load_state_dict(saved["amp"])
+    assert distamp.stats(optimizer).loss_scales == (1024.0,)
+    x, y = next(iter(data(1, 8)))
+    with amp.scale_loss(F.mse_loss(model(x).float(), y) * float("inf"), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    with pytest.raises(NonFiniteGradientError, match="minimum loss scale 1024"):
+        optimizer.step()  # at the floor in use now, as the message says
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", verbosity=0, max_loss_scale=2.0**10
+    )
+    with pytest.warns(UserWarning, match="max_loss_scale 1024"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**20, "unskipped": 0}})
+    with pytest.warns(UserWarning, match="_loss_scale set, loss scale 2.*max_loss_scale 1024"):
+        amp._amp_state.loss_scalers[0]._loss_scale = 2.0**21
+    assert distamp.stats(optimizer).loss_scales == (2.0**10,)
+
+
+def test_o1_casts_with_autocasts_cache_turned_off_outside_disable_casts():
+    """``torch.set_autocast_cache_enabled(False)`` (public) and ``make_fx`` (which turns the cache
+    off while it traces) read as ``amp.disable_casts()``: O1's forward ran in FP32 and its traced
+    graph had no bf16 (an audit). Only a recomputation during backward reads that mark now."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = nn.Sequential(nn.Linear(8, 4))
+    model, _ = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0
+    )
+    x = torch.randn(2, 8)
+    assert model(x).dtype == torch.bfloat16
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        assert model(x).dtype == torch.bfloat16
+    finally:
+        torch.set_autocast_cache_enabled(was)
+    assert "bfloat16" in make_fx(model)(x).code
+    with amp.disable_casts():
+        assert model(x).dtype == torch.float32
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])

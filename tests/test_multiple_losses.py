@@ -137,6 +137,19 @@ def test_loss_id_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, num_losses=2\), got 2"):
         with distamp.scale_loss(loss, opt, loss_id=2):
             pass
+    # apex indexed its scalers with loss_id: numpy's and torch's integers worked there (an audit:
+    # np.int64(1) got "must be in [0, 2), got np.int64(1)"); a bool or float is not an index
+    np = pytest.importorskip("numpy")
+    for index in (np.int64(1), torch.tensor(1)):
+        with distamp.scale_loss(model(torch.randn(2, 4)).sum(), opt, loss_id=index) as scaled:
+            scaled.backward()
+    assert distamp.stats(opt).loss_scales == (2.0**16, 2.0**16)
+    for bad in (True, 1.0):
+        with pytest.raises(
+            TypeError, match=rf"expected loss_id as an int, got {type(bad).__name__}"
+        ):
+            with distamp.scale_loss(loss, opt, loss_id=bad):
+                pass
 
 
 class _Pair(nn.Module):

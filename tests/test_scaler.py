@@ -66,6 +66,15 @@ def test_floor_holds_and_marks_the_skip():
     assert (s.scale, s.skipped_at_floor) == (2.0**15, True)
 
 
+def test_a_static_scale_has_no_floor():
+    """apex: "If dynamic loss scaling is not used, min_loss_scale is ignored." A static scale at or
+    under min_loss_scale made its first skipped step a NonFiniteGradientError (an audit)."""
+    for scale, floor in ((1.0, 1.0), (128.0, 512.0)):
+        s = LossScaler(scale, min_loss_scale=floor)
+        s.update(True)
+        assert (s.scale, s.skipped_at_floor, s.consecutive_skips) == (scale, False, 1)
+
+
 def test_static_scale_never_changes():
     s = LossScaler(128.0)
     for overflow in (True, False) * 3000:

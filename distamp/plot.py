@@ -160,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distamp.plot", description="Redraw a run's loss and loss-scale picture."
     )
-    parser.add_argument("run_dir", type=Path, help=f"folder holding {METRICS} (runs/NAME)")
+    parser.add_argument(
+        "run_dir", type=Path, help=f"folder holding {METRICS} (runs/NAME), or that file"
+    )
     parser.add_argument(
         "-o", "--out", type=Path, default=None, help=f"image to write (default: RUN_DIR/{PICTURE})"
     )
     args = parser.parse_args(argv)
+    if args.run_dir.is_file() and args.run_dir.name == METRICS:  # the file itself: its run
+        args.run_dir = (
+            args.run_dir.parent
+        )  # (an audit: "metrics.jsonl/metrics.jsonl does not exist")
     if args.out is not None and args.out.is_dir():
         parser.error(f"-o {args.out}: expected an image file, found a directory")
     try:

@@ -434,6 +434,20 @@ def check_progress_arguments(
         check_ckpt_dir(parser, args.run_dir, "--run-dir")
 
 
+def check_backend(backend: str) -> tuple[int, int]:
+    """Refuse ``--backend nccl`` without a GPU for each of this node's ranks (LOCAL_WORLD_SIZE:
+    torchrun's, or the launch scripts' rank count under --check-args, so that the refusal comes
+    once, before any rank starts). Returns (GPUs, ranks on this node)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend == "nccl" and local_world > gpus:
+        raise SystemExit(
+            f"--backend nccl: expected a GPU per rank, found {gpus} GPU(s) for {local_world} "
+            "rank(s) on this node (torchrun --nproc_per_node at most the GPU count, or --backend gloo)"
+        )
+    return gpus, local_world
+
+
 def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
     """Join the torchrun process group if there is one; return (device, backend or None).
 
@@ -442,14 +456,8 @@ def setup_distributed(backend: str = "auto") -> tuple[torch.device, str | None]:
     line, not a crash on a device that does not exist); "gloo" keeps the model on the CPU even
     where there are GPUs.
     """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus, local_world = check_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if backend == "nccl" and local_world > gpus:
-        raise SystemExit(
-            f"--backend nccl: expected a GPU per rank, found {gpus} GPU(s) for {local_world} "
-            "rank(s) on this node (torchrun --nproc_per_node at most the GPU count, or --backend gloo)"
-        )
     use_cuda = gpus > 0 and backend != "gloo" and local_world <= gpus
     if backend == "nccl" and not use_cuda:
         raise SystemExit("--backend nccl needs CUDA: this machine has no usable GPU")
@@ -911,6 +919,7 @@ class Progress:
 def main() -> int:
     args = parse_args()
     if args.check_args:
+        check_backend(args.backend)
         return 0
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0

@@ -10,6 +10,11 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
     bash scripts/setup.sh
 fi
 PY=${PYTHON:-python3}
+if ! "$PY" -c 'import torch' 2>/dev/null; then  # a bare traceback said neither which Python nor why
+    echo "launch: expected torch importable by $PY ($(command -v "$PY" || echo 'not found')), found none:" \
+        "run scripts/setup.sh (unset SKIP_SETUP), or set PYTHON to the environment's Python" >&2
+    exit 2
+fi
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [[ -z "${NPROC:-}" ]]; then
     NPROC=$(( GPUS > 0 ? GPUS : 2 ))
@@ -40,5 +45,5 @@ check_args() {
             exec "$PY" "$@"
         fi
     done
-    "$PY" "$@" --check-args || exit 2
+    LOCAL_WORLD_SIZE=$NPROC "$PY" "$@" --check-args || exit 2  # the ranks this node will run
 }

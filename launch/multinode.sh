@@ -70,6 +70,12 @@ if [[ -n "$NODE_RANK" && -n "$RDZV_ID" ]]; then
     echo "multinode.sh: give --node-rank (fixed membership) or --rdzv-id (elastic), not both" >&2
     exit 2
 fi
+# A range is elastic membership: torchrun's static rendezvous waited, silently, for MAX nodes
+# (an audit: --nnodes 1:2 --node-rank 0 on one node hung).
+if [[ -n "$NODE_RANK" && "$NNODES" == *:* ]]; then
+    echo "multinode.sh: --nnodes $NNODES is a range (elastic membership): expected --rdzv-id ID with it, got --node-rank $NODE_RANK (fixed membership wants --nnodes N)" >&2
+    exit 2
+fi
 if [[ -z "$NODE_RANK" && -z "$RDZV_ID" ]]; then
     NODE_RANK=0
     if [[ "$NNODES" != 1 ]]; then

@@ -166,6 +166,9 @@ def test_plot_cli_redraws_keeps_the_last_record_of_a_step_and_marks_skips(tmp_pa
     assert (run_dir / "metrics.png").read_bytes()[:8] == PNG_MAGIC
     assert plot.main([str(run_dir), "-o", str(tmp_path / "other.png")]) == 0
     assert (tmp_path / "other.png").read_bytes()[:8] == PNG_MAGIC
+    # the metrics file itself names its run (an audit: "metrics.jsonl/metrics.jsonl does not exist")
+    assert plot.main([str(run_dir / "metrics.jsonl"), "-o", str(tmp_path / "file.png")]) == 0
+    assert (tmp_path / "file.png").read_bytes()[:8] == PNG_MAGIC
     # The format follows the suffix (an audit: -o loss.svg held PNG bytes)
     assert plot.main([str(run_dir), "-o", str(tmp_path / "loss.svg")]) == 0
     assert b"<svg" in (tmp_path / "loss.svg").read_bytes()[:400]

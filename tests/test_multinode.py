@@ -168,8 +168,14 @@ def test_two_elastic_agents_on_one_machine_meet_over_loopback(tmp_path):
         ([], {"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS: expected a whole number of threads"),
         (["--max-restarts", "-1"], {}, "--max-restarts expects a whole number >= 0, got '-1'"),
         (["--master", "127.0.0.1:99999"], {}, "a port number from 1 to 65535, got '99999'"),
+        (
+            ["--nnodes", "1:2", "--node-rank", "0"],
+            {},
+            "--nnodes 1:2 is a range (elastic membership): expected --rdzv-id ID with it",
+        ),
         # the training script's own arguments: checked once, before torchrun starts a rank
         ([], {}, "--steps must be >= 1, got 0"),
+        (["--", "--backend", "nccl"], {"NPROC": "64"}, "--backend nccl: expected a GPU per rank"),
     ],
     ids=[
         "nnodes-0",
@@ -179,18 +185,22 @@ def test_two_elastic_agents_on_one_machine_meet_over_loopback(tmp_path):
         "omp-word",
         "max-restarts-negative",
         "port-past-65535",
+        "range-with-node-rank",
         "training-argument",
+        "nccl-without-gpus",
     ],
 )
 def test_launch_arguments_are_refused_by_name_before_anything_starts(args, env, says):
     """An audit: --nnodes 0 was reported as a missing --node-rank, --nnodes 2:1 and
-    OMP_NUM_THREADS=abc reached torchrun (a traceback, or a rendezvous that never completes)."""
+    OMP_NUM_THREADS=abc reached torchrun (a traceback, or a rendezvous that never completes);
+    later ones: --nnodes 1:2 with --node-rank waited for a node that cannot come, and --backend
+    nccl without GPUs was refused once per rank and restarted by --max-restarts."""
     done = subprocess.run(
         [
             "bash",
             str(ROOT / "launch" / "multinode.sh"),
             *args,
-            "--",
+            *([] if "--" in args else ["--"]),
             "--steps",
             "0" if says.startswith("--steps") else "1",
         ],
@@ -203,3 +213,26 @@ def test_launch_arguments_are_refused_by_name_before_anything_starts(args, env, 
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count(says) == 1, done.stderr  # once, not once per rank
+
+
+def test_skip_setup_installs_nothing_and_a_python_without_torch_is_named(tmp_path):
+    """SKIP_SETUP=1 is for nodes without the package index: scripts/test.sh still ran setup.sh's
+    pip installs (an audit); and a launch on a Python without torch ended in a bare traceback."""
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')  # no torch, no pip, no ruff
+    fake.chmod(0o755)
+    env = {**ENV, "PYTHON": str(fake)}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0  # the fake ruff failed: the script went past setup
+    calls = log.read_text()
+    assert "-m ruff check" in calls and "pip" not in calls, calls
+    log.unlink()
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "run.sh")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"expected torch importable by {fake}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "pip" not in log.read_text()

@@ -388,6 +388,15 @@ class ScalerGroup:
                     return f"parameter {name!r} holds {kind}"
         return None
 
+    def added_after_wrap(self, param: torch.Tensor) -> str | None:
+        """The name ``param`` has in a wrapped model now, if wrap never saw it."""
+        for ref in self.models:
+            model = ref()
+            for name, other in model.named_parameters() if model is not None else ():
+                if other is param:
+                    return name
+        return None
+
     def sharded_by_fsdp_after_wrap(self) -> str | None:
         """The FSDP wrapper found in a model wrapped by ``distamp.wrap``, if one was applied later."""
         from .casting import data_parallel_wrapper_name
@@ -412,11 +421,26 @@ class ScalerGroup:
                 )
             name = self.param_names.get(id(param))
             if name is None:
+                added = self.added_after_wrap(param)
+                if added is not None:  # (an audit: timm's reset_classifier after wrap)
+                    raise ValueError(
+                        f"{where}: parameter {added!r} was added to the model after distamp.wrap "
+                        "(a module replaced, e.g. timm's reset_classifier or a new head): "
+                        "expected the parameters wrap saw — wrap decides each one's precision "
+                        "and FP32 master. Replace the module before building the optimizer and "
+                        "calling wrap"
+                    )
+                fsdp = any(o.masters.fsdp for o in self.optimizers)
                 raise ValueError(
                     f"{where}: params[{k}] (shape {tuple(param.shape)}, dtype {param.dtype}) is "
                     "not a parameter of the model(s) passed to distamp.wrap: expected parameters "
-                    "of the wrapped model(s) (after distamp.fsdp.fully_shard, read them from the "
-                    "sharded model: FSDP replaced the parameter objects)"
+                    "of the wrapped model(s)"
+                    + (
+                        " (after distamp.fsdp.fully_shard, read them from the sharded model: "
+                        "FSDP replaced the parameter objects)"
+                        if fsdp
+                        else ""
+                    )
                 )
             if id(param) in held:
                 owner = self.optimizers[held[id(param)]]

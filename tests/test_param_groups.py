@@ -120,16 +120,27 @@ def _add_refused(rank, world):
             opt.add_param_group(group)
         except (ValueError, TypeError) as exc:
             errors.append(str(exc))
+    model.b = GradProbe(3).to(torch.bfloat16)  # a head replaced after wrap (reset_classifier)
+    try:
+        opt.add_param_group({"params": [model.b.w]})
+    except ValueError as exc:
+        errors.append(str(exc))
+    model.b = GradProbe(3)
     _step(model, opt, torch.ones(3))  # nothing was lost: training goes on
     return errors
 
 
 def test_add_param_group_refuses_what_wrap_would_refuse():
     (errors,) = run_ranks(_add_refused, 1)
-    assert len(errors) == 3
+    assert len(errors) == 4
     assert "'a.w' is already held by this optimizer" in errors[0]
     assert "not a parameter of the model(s) passed to distamp.wrap" in errors[1]
+    assert "fully_shard" not in errors[1]  # (no FSDP here)
     assert "got set" in errors[2]
+    # timm's reset_classifier after wrap: the parameter is the model's, added later (an audit:
+    # it was called "not a parameter of the model(s)", with a hint about FSDP)
+    assert "parameter 'b.w' was added to the model after distamp.wrap" in errors[3]
+    assert "before building the optimizer and calling wrap" in errors[3]
 
 
 # -- parameters without a gradient this step ---------------------------------------------------

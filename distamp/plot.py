@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         "-o", "--out", type=Path, default=None, help=f"image to write (default: RUN_DIR/{PICTURE})"
     )
     args = parser.parse_args(argv)
-    if args.run_dir.is_file() and args.run_dir.name == METRICS:  # the file itself: its run
-        args.run_dir = (
-            args.run_dir.parent
-        )  # (an audit: "metrics.jsonl/metrics.jsonl does not exist")
+    # The metrics file itself names its run (an audit: "metrics.jsonl/metrics.jsonl does not
+    # exist").
+    if args.run_dir.is_file() and args.run_dir.name == METRICS:
+        args.run_dir = args.run_dir.parent
     if args.out is not None and args.out.is_dir():
         parser.error(f"-o {args.out}: expected an image file, found a directory")
     try:

@@ -421,7 +421,8 @@ class ScalerGroup:
                 )
             name = self.param_names.get(id(param))
             if name is None:
-                added = self.added_after_wrap(param)
+                later_fsdp = self.sharded_by_fsdp_after_wrap()  # refused at backward, by name
+                added = None if later_fsdp else self.added_after_wrap(param)
                 if added is not None:  # (an audit: timm's reset_classifier after wrap)
                     raise ValueError(
                         f"{where}: parameter {added!r} was added to the model after distamp.wrap "

@@ -78,7 +78,7 @@ import distamp
 import distamp.fsdp
 import distamp.masters.layout
 from distamp.collectives import all_gather_single
-from distamp.doctor import matmul_gflops
+from distamp.doctor import compare_matmuls, fastest_compute
 
 BF16_CONFIGS = [
     "FP32 DDP",
@@ -278,7 +278,12 @@ def setup(
         return distamp_step(ddp, opt), opt, 2
     if config.startswith("wire alone"):
         n_params = sum(p.numel() for p in model.parameters())
-        return wire_alone(config, n_params, opts["bucket_mb"], device, world), None, 2
+        # DDP sizes its buckets in the gradients' dtype: FP32 where the compute is (O0, autocast
+        # rows), bf16 under O2 (an audit: bf16-sized buckets mirrored the FP32 rows with half as
+        # many messages, twice as large)
+        grad_bytes = 2 if opts["compute"] == "bf16" else 4
+        step = wire_alone(config, n_params, opts["bucket_mb"] * 2 / grad_bytes, device, world)
+        return step, None, 2
     if config.startswith("floor"):
         if "pure" in config:
             model.to(dtype)
@@ -306,7 +311,8 @@ def wire_alone(
     config: str, n_params: int, bucket_mb: float, device: torch.device, world: int
 ) -> Step:
     """A step that moves what a 16-bit data-parallel step of ``n_params`` gradients moves, and
-    nothing else: bf16 buckets of ``bucket_mb`` all in flight at once, each all-reduced (DDP with
+    nothing else: bf16 buckets of ``bucket_mb`` (of bf16: the caller converts DDP's bucket size
+    in the gradients' dtype) all in flight at once, each all-reduced (DDP with
     a 16-bit hook) or all-to-all'ed so that every rank receives its 1/N (distamp's reduce-scatter
     hook), then, for the latter, the all-gather of the updated weights in blocks of
     ``distamp.masters.layout.BLOCK`` elements per rank. Returns a zero "loss"."""
@@ -389,6 +395,8 @@ def train(
             times.append(end - start)
         start = end
     if phases is not None:
+        dist.barrier()  # after the last step's deferred gather, as the warm-up's before the first
+        phases.flushed()
         phases.stop()
         result["phases"] = phases.summary(opts.get("link_bits"))
     if profiler is not None:
@@ -398,9 +406,20 @@ def train(
         "times": times,
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss(),
         "held_bytes": _held(opt),
     }
+
+
+def peak_rss() -> int:
+    """This process's own peak resident memory in bytes: ``VmHWM``, not ``getrusage``'s
+    ``ru_maxrss``, which a spawned rank inherits from the launcher's peak across fork+exec (an
+    audit: a rank of 342 MB read 1150 with a 1.1 GB parent)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the bound
 
 
 def worker(
@@ -700,21 +719,23 @@ def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, Any]) -> 
 
 
 def choose_compute(choice: str, seconds: float) -> tuple[str, str, float]:
-    """("bf16" or "fp32", why, that dtype's matmul GFLOP/s per rank measured now)."""
-    if torch.cuda.is_available():
-        peak = matmul_gflops(torch.bfloat16, seconds, "cuda")
-        return "bf16", f"GPU: bf16 matmul {peak:.0f} GFLOP/s", peak
-    fp32 = matmul_gflops(torch.float32, seconds)
-    bf16 = matmul_gflops(torch.bfloat16, seconds)
-    measured = f"bf16 matmul {bf16:.1f} GFLOP/s vs FP32 {fp32:.1f} on this CPU"
+    """("bf16" or "fp32", why, that dtype's matmul GFLOP/s per rank measured now). ``auto`` is
+    the doctor's rule (:func:`distamp.doctor.fastest_compute` over interleaved turns): a half
+    dtype only where it beats FP32. A choice given is honoured on a GPU too (an audit: every
+    --compute ran bf16 there)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    flops = compare_matmuls((torch.float32, torch.bfloat16), seconds, device)
+    fp32, bf16 = flops["float32"], flops["bfloat16"]
+    where = "the GPU" if device == "cuda" else "this CPU"
+    measured = f"bf16 matmul {bf16:.1f} GFLOP/s vs FP32 {fp32:.1f} on {where}"
     if choice == "auto":
-        choice = "bf16" if bf16 > fp32 else "fp32"
+        choice = "bf16" if fastest_compute(flops) == "bfloat16" else "fp32"
         why = (
-            "bf16 units: bf16 compute is fastest"
+            "bf16 is the fastest: bf16 compute"
             if choice == "bf16"
             else (
-                "no bf16 units: FP32 compute is fastest, mixed precision keeps a 16-bit wire and "
-                "sharded state"
+                "no faster half matmul: FP32 compute is fastest, mixed precision keeps a 16-bit "
+                "wire and sharded state"
             )
         )
     else:
@@ -739,7 +760,10 @@ def plot(rows: list[dict[str, Any]], path: Path, floor: dict[str, Any]) -> str:
     ax.barh(
         [r["config"] for r in done],
         [r["median_s"] for r in done],
-        xerr=[r["spread_s"] for r in done],
+        xerr=[  # not below 0 s (the spread is a deviation around the median)
+            [min(r["spread_s"], r["median_s"]) for r in done],
+            [r["spread_s"] for r in done],
+        ],
     )
     ax.invert_yaxis()
     if floor["floor_s"]:
@@ -902,6 +926,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
     if args.nodes and args.world % args.nodes:
         parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
+    if args.only:  # a name given twice ran twice a round (an audit)
+        args.only = list(dict.fromkeys(args.only))
     unknown = [c for c in args.only or () if c not in CONFIGS]
     if unknown:
         parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
@@ -950,6 +976,7 @@ def main() -> int:
         "phases": args.phases,
         "profile": str(args.profile.resolve()) if args.profile else None,
         "link_bits": link_bits,
+        "compute": compute,
     }
     runs: dict[str, list[Any]] = {c: [] for c in configs}
     with contextlib.ExitStack() as stack:

@@ -50,6 +50,7 @@ class Phases:
     def __init__(self, model: nn.Module, optimizer: Any, iface: str | None) -> None:
         self.steps: list[list[tuple[str, float]]] = []
         self._marks: list[tuple[str, float]] = []
+        self._flushed_at: float | None = None
         model.register_forward_pre_hook(lambda *_: self.mark("forward"))
         model.register_forward_hook(lambda *_: self.mark("backward"))
         self.phases = PHASES
@@ -84,6 +85,13 @@ class Phases:
     def end(self) -> None:
         """The step ended (after it returned)."""
         self.steps.append([*self._marks, ("end", time.perf_counter())])
+
+    def flushed(self) -> None:
+        """The work the last timed step deferred (an all-gather in flight) is done: "MB sent/step"
+        counts the bytes from the first timed step's start to here. Counted per window, the
+        overlapped rows lost one gather per run: the warm-up's went out before the first window
+        (in the barrier), the last step's after the last (an audit)."""
+        self._flushed_at = time.perf_counter()
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,7 +136,12 @@ class Phases:
             for p in self.phases:
                 total_s = sum(seconds[p])
                 out[f"{p}_busy"] = sent[p] * 8 / (link_bits * total_s) if total_s else 0.0
-            out["sent_mb"] = sum(sent.values()) / n / 1e6
+            total = (
+                self._sent_at(self._flushed_at) - self._sent_at(self.steps[0][0][1])
+                if self._flushed_at is not None
+                else sum(sent.values())
+            )
+            out["sent_mb"] = total / n / 1e6
             whole = sum(sum(v) for v in seconds.values())
             out["busy"] = sum(sent.values()) * 8 / (link_bits * whole) if whole else 0.0
         return out

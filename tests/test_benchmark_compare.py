@@ -23,9 +23,11 @@ from compare import (  # noqa: E402
     SIZES,
     WIRE_CONFIGS,
     GPTConfig,
+    choose_compute,
     floors,
     markdown,
     parse_args,
+    peak_rss,
     split_by_size,
     summarize,
 )
@@ -161,6 +163,11 @@ def test_phases_split_each_step_and_measure_the_link_against_its_rate():
     assert s["forward_busy"] == pytest.approx(1.0) and s["other_busy"] == pytest.approx(1.0)
     assert s["backward_busy"] == pytest.approx(0.5) and s["step_busy"] == pytest.approx(0.5)
     assert s["sent_mb"] == pytest.approx(93.75) and s["busy"] == pytest.approx(0.75)
+    # Work deferred past the last step (an overlapped gather) goes out after its window: the
+    # bytes up to the flush count, per step (an audit: one gather per run was missing)
+    ph.samples.append((2.0, 125_000_000))
+    ph._flushed_at = 2.0
+    assert ph.summary(1e9)["sent_mb"] == pytest.approx(125.0)
     # An optimizer without torch step hooks (DeepSpeed's): its step is counted in backward, and
     # the table says "-" for it, not 0 ms.
     unhooked = Phases(model, object(), None)
@@ -247,6 +254,28 @@ def test_a_flag_given_wins_over_quick_and_the_workload():
     given = ["--rounds", "2", "--steps", "5", "--batch", "1", "--size", "micro", "--lr", "1e-2"]
     assert values(parse_args(["--quick", *given])) == ("micro", 32, 1, 5, 1, 2, 1e-2)
     assert values(parse_args(["--workload", "w0", "--seq", "64"]))[:3] == ("micro", 64, 1)
+
+
+def test_only_runs_a_row_once_and_a_compute_given_is_the_one_run():
+    """Audits: --only naming a row twice ran it twice a round; --compute fp32 ran bf16 on a
+    GPU. The rank's peak RSS is its own (VmHWM), not the launcher's carried across exec."""
+    args = parse_args(["--only", "FP32 DDP", "FP32 DDP", "floor: FP32, no communication"])
+    assert args.only == ["FP32 DDP", "floor: FP32, no communication"]
+    for choice in ("fp32", "bf16"):
+        chosen, why, peak = choose_compute(choice, 0.01)
+        assert chosen == choice and "chosen with --compute" in why and peak > 0
+    chosen, why, _ = choose_compute("auto", 0.01)
+    assert chosen in ("fp32", "bf16") and "GFLOP/s" in why
+    own = peak_rss()
+    assert 10e6 < own < 100e9
+    code = "import sys; sys.path.insert(0, 'benchmarks'); from compare import peak_rss; print(peak_rss())"
+    ballast = bytearray(400 * 2**20)  # the launcher's peak, 400 MB above the child's own
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    del ballast
+    assert int(child.stdout) < own + 300e6, (int(child.stdout), own)
 
 
 @pytest.mark.parametrize(

@@ -254,8 +254,8 @@ def cpu_advice(flops: dict[str, float], *, bf16_wire: bool) -> str:
     wire = (
         '; across ranks keep a 16-bit wire and 1/N of the optimizer state: opt_level="O0", '
         "shard_master_weights=True and distamp.hooks.register(ddp, optimizer, "
-        "reduce_scatter=True, gather_dtype=torch.bfloat16) (what the example's --opt-level auto "
-        "picks)"
+        "reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16) (what the "
+        "example's --opt-level auto picks)"
         if bf16_wire
         else ""
     )

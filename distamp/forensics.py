@@ -33,6 +33,10 @@ class NonFiniteReport:
     fp16_wire: bool = False
     """``on_every_rank`` with distamp's all-reduce hook in fp16: the sum may have overflowed on
     the wire (65504) with every rank's own gradient finite; which of the two is not known."""
+    after_unscale: bool = False
+    """The gradients were finite at ``unscale_`` and non-finite at ``step()``: an edit in between
+    (``rank``: the lowest rank whose stepped gradients held it). Skipped on every rank, the loss
+    scale unchanged."""
     in_fsdp_shard: bool = False
     """Under FSDP: the gradient was read in the ranks' shards after FSDP's reduce-scatter, so
     ``rank`` is the lowest rank whose *shard* held it; the rank whose batch produced it is not
@@ -44,6 +48,12 @@ class NonFiniteReport:
             return (
                 f"the loss itself (loss_id {self.loss_id}) was {article} on rank {self.rank} — "
                 "not a gradient overflow: a smaller loss scale does not fix it"
+            )
+        if self.after_unscale:
+            return (
+                f"a gradient held {article} value at step() on rank {self.rank}, finite at "
+                "distamp.unscale_: an edit in between made it (clipping, a division by a zero "
+                "norm, a write); the step is skipped on every rank, the loss scale unchanged"
             )
         if self.in_fsdp_shard:
             whose = "every rank's shard" if self.on_every_rank else f"rank {self.rank}'s shard"

@@ -212,3 +212,58 @@ def test_the_global_clipping_habits_stay_silent_under_sharded_masters(how):
     assert caught0 == caught1 == [] and messages0 == messages1 == []
     for name, value in w0.items():
         assert torch.equal(value, w1[name]), name
+
+
+def _edit_after_unscale(rank, world, level, shard, hook, who):
+    """Edits after unscale_ that make a gradient non-finite: one rank writes an inf, or every
+    rank divides a zero gradient by its zero norm (0/0)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw = {"shard_master_weights": shard} if shard is not None else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **kw)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if hook:
+        distamp.hooks.register(ddp, opt, reduce_scatter=shard is True)
+    seen = []
+    for step, (x, y) in enumerate(data(3, 8, seed=rank)):
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        distamp.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step == 1 and who == "one rank" and rank == 0:  # (sharded: in the part it steps)
+            next(model.parameters()).grad.fill_(float("inf"))
+        if step == 1 and who == "every rank":
+            grad = model[-1].bias.grad
+            grad.zero_().div_(grad.norm())  # 0/0: NaN
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        stats = distamp.stats(opt)
+        seen.append((stats.last_step_skipped, moved, str(stats.last_nonfinite)))
+    weights = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    return seen, weights
+
+
+@pytest.mark.parametrize(
+    "level,shard,hook",
+    [("O1", None, False), ("O2", False, True), ("O2", True, True), ("O0", True, True)],
+    ids=["O1", "O2-replicated", "O2-sharded", "O0-sharded"],
+)
+@pytest.mark.parametrize("who", ["one rank", "every rank"])
+def test_a_gradient_made_non_finite_after_unscale_skips_the_step_on_every_rank(
+    level, shard, hook, who
+):
+    """An audit: the early decision of unscale_ stepped it — NaN weights on one rank (the ranks
+    parted), or NaN FP32 masters the gather spread to every rank."""
+    results = run_ranks(_edit_after_unscale, 2, level, shard, hook, who)
+    for seen, weights in results:
+        assert [s[0] for s in seen] == [False, True, False], seen
+        assert [s[1] for s in seen] == [True, False, True], seen
+        assert "finite at distamp.unscale_" in seen[1][2]
+        # the lowest rank whose stepped gradients held it (sharded: the owner of the bias)
+        assert "on rank 0" in seen[1][2] or (who == "every rank" and shard)
+        assert ("a NaN" if who == "every rank" else "an inf") in seen[1][2]
+        assert torch.isfinite(weights).all()
+    assert torch.equal(results[0][1], results[1][1])

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import required
 
-from ..collectives import check_same_on_all_ranks, short_order
+from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES
-from ..forensics import NonFiniteReport
+from ..forensics import NonFiniteGradientError, NonFiniteReport
 from ..optstate import OptState
 from .base import grad_version, local_tensor
+from .nonfinite import nonfinite_flag
 from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
 from .sharded import ShardedMasterParams
 
@@ -219,18 +220,23 @@ class AmpOptimizer(torch.optim.Optimizer):
         # see [Note: weights written after wrap]
         st.masters.take_written_weights(st.group.param_names)
         touched, scale = _scaled_grads_touched(st), st.grad_scale
-        if st.state is not OptState.UNSCALED:
+        decided_early = st.state is OptState.UNSCALED
+        if not decided_early:
             st.group.unscale_and_decide(st)
         _warn_if_scaled_grads_touched(st, touched, scale)
         st.group.update_finished_losses()  # see [Note: the scale moves at step()]
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
         assert st.overflow is not None
+        edited = _edited_nonfinite(st) if decided_early and not st.overflow else None
         st.steps += not placeholder
-        st.last_step_skipped = st.overflow
+        st.last_step_skipped = st.overflow or edited is not None
         st.in_step = True
         try:
-            if st.overflow:
+            if edited is not None:
+                st.skipped_steps += 1
+                _after_edited_skip(st, edited)
+            elif st.overflow:
                 st.skipped_steps += 1
                 st.group.after_skip(st)
             else:
@@ -460,6 +466,59 @@ def _warn_scale_starts_afresh(st: AmpOptimizerState) -> None:
             "off within a few skipped steps if that is too high). distamp.save_checkpoint / "
             "load_checkpoint keep the scale",
             stacklevel=3,
+        )
+
+
+def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:
+    """[Note: gradients edited after unscale_] ``unscale_`` (and ``clip_grad_norm_``) decide the
+    skip early, and the edits made after it are stepped (torch's clipping habit). An edit that
+    made a gradient non-finite — ``g.div_(g.norm())`` of a zero gradient, a write on one rank —
+    was stepped: NaN weights on that rank alone (the ranks parted), or, in a shard it owns, NaN
+    masters the gather spread to every rank (an audit). So after an early decision the gradients
+    about to be stepped are checked again, one more MAX all-reduce on that path only, and every
+    rank skips together; the loss scale is left alone (no overflow of the scaled gradients).
+    Returns the report, or None (go on)."""
+    grads = [local_tensor(g) for g in st.masters.step_grads()]
+    device = grads[0].device if grads else torch.device("cpu")
+    flag = nonfinite_flag(grads, device)
+    group = st.group
+    local = bool(flag)
+    nan = local and any(bool(torch.isnan(g).any()) for g in grads)
+    vector = torch.tensor(
+        [float(group.world - group.rank) if local else 0.0, 2.0 if nan else float(local)],
+        device=device,
+    )
+    if group.process_group is not None and group.world > 1:
+        all_reduce_(vector, dist.ReduceOp.MAX, group.process_group)
+    code, kind = (int(v) for v in vector.tolist())
+    if not code:
+        return None
+    rank = group.world - code
+    if group.process_group is not None and group.world > 1:
+        rank = dist.get_global_rank(group.process_group, rank)
+    return NonFiniteReport(
+        param="(a gradient edited after distamp.unscale_)",
+        rank=rank,
+        kind="nan" if kind == 2 else "inf",
+        after_unscale=True,
+    )
+
+
+def _after_edited_skip(st: AmpOptimizerState, report: NonFiniteReport) -> None:
+    """A skip :func:`_edited_nonfinite` decided: reported, counted against
+    ``max_consecutive_skips`` like the steps no loss scale can help."""
+    st.last_nonfinite = report
+    st.group.last_nonfinite = report
+    st.group.total_skips += 1
+    if st.group.props.verbosity >= 1 and st.group.rank == 0:
+        warnings.warn(f"distamp: skipping optimizer step: {report}", stacklevel=3)
+    st.group.unscaled_skips += 1
+    limit = st.group.props.max_consecutive_skips
+    if st.group.unscaled_skips >= limit:
+        raise NonFiniteGradientError(
+            f"{st.group.unscaled_skips} consecutive optimizer steps were skipped: {report}. "
+            "Look at what the script does to the gradients between distamp.unscale_ (or "
+            "clip_grad_norm_) and step() (max_consecutive_skips sets this limit)"
         )
 
 

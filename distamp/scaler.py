@@ -350,6 +350,8 @@ class ScalerGroup:
         """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self.fp16_all_reduce = False
         """distamp's compress hook all-reduces in fp16 (see ``NonFiniteReport.fp16_wire``)."""
+        self.fp16_wire = False
+        """A distamp hook sends fp16 (all-reduce or reduce-scatter): sums may overflow there."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
 
     def ddp_ignored(self) -> frozenset[int]:
@@ -386,6 +388,20 @@ class ScalerGroup:
                 if local.numel() and not bool(torch.isfinite(local).all()):
                     kind = "NaN" if bool(torch.isnan(local).any()) else "inf"
                     return f"parameter {name!r} holds {kind}"
+        return None
+
+    def nonfinite_weight_anywhere(self) -> str | None:
+        """:meth:`nonfinite_weight` of the lowest rank that has one, "... on rank R", the same on
+        every rank (an audit: only the rank holding it said so; rank 0's log, the one read,
+        pointed at the forward pass). Collective: called where every rank raises together."""
+        local = self.nonfinite_weight()
+        if self.process_group is None or self.world == 1:
+            return local
+        found: list[str | None] = [None] * self.world
+        dist.all_gather_object(found, local, group=self.process_group)
+        for rank, what in enumerate(found):
+            if what:
+                return f"{what} on rank {dist.get_global_rank(self.process_group, rank)}"
         return None
 
     def added_after_wrap(self, param: torch.Tensor) -> str | None:
@@ -998,22 +1014,29 @@ class ScalerGroup:
                 )
                 if not scaler.dynamic:
                     reason += f" with a static loss scale of {scaler.scale:g}"
-                broken = self.nonfinite_weight()
-                where = (
-                    f"the weights themselves are non-finite ({broken}): an earlier step wrote "
-                    "them (without FP32 masters, e.g. O3 fp16, an optimizer eps that rounds to 0 "
-                    "in fp16 divides by 0), so every forward after it fails"
-                    if broken
-                    else "look for a NaN/inf produced by the forward pass or the loss itself, "
-                    + (
-                        "or, with an fp16 half_dtype (FSDP reduce-scatters in it), gradients "
+                broken = self.nonfinite_weight_anywhere()
+                fsdp = any(o.masters.fsdp for o in self.optimizers)
+                if fsdp and self.props.half_dtype == torch.float16:
+                    wire = (
+                        ", or, with an fp16 half_dtype (FSDP reduce-scatters in it), gradients "
                         "past fp16's range (65504) in the reduction — half_dtype=torch.bfloat16 "
                         "keeps FP32's range"
-                        if any(o.masters.fsdp for o in self.optimizers)
-                        else "or, under a comm hook with an fp16 wire, gradients past fp16's "
+                    )
+                elif not fsdp and self.fp16_wire:
+                    wire = (
+                        ", or, under a comm hook with an fp16 wire, gradients past fp16's "
                         "range (65504) that were finite before the wire — a bf16 wire "
                         "(distamp.hooks.register(..., dtype=torch.bfloat16)) keeps FP32's range"
                     )
+                else:  # (an audit: the fp16-wire hint with a bf16 model and no hook)
+                    wire = ""
+                where = (
+                    f"the weights themselves are non-finite ({broken}): something wrote them — "
+                    "an earlier step without FP32 masters (e.g. O3 fp16, an optimizer eps that "
+                    "rounds to 0 in fp16 divides by 0) or the script (a write to the weights, an "
+                    "edit between unscale_ and step()) — so every forward after it fails"
+                    if broken
+                    else f"look for a NaN/inf produced by the forward pass or the loss itself{wire}"
                 )
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "

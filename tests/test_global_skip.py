@@ -127,6 +127,35 @@ def test_endless_overflow_stops_with_the_parameter_and_the_rank():
     assert "'1.weight'" in messages[0] and "rank 1" in messages[0] and "NaN" in messages[0]
 
 
+def _broken_weight(rank, world):
+    """Rank 1's script writes inf into a weight: every later step skips on every rank."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, max_consecutive_skips=3)
+    ddp = DDP(model)
+    if rank == 1:
+        with torch.no_grad():
+            model[3].weight[0, 0] = float("inf")
+    try:
+        for x, y in data(10, 8, seed=rank):
+            with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    except distamp.NonFiniteGradientError as err:
+        return str(err)
+    return None
+
+
+def test_a_non_finite_weight_on_one_rank_is_named_alike_on_every_rank():
+    """An audit: only the rank holding it said the weights were non-finite; rank 0 (the log one
+    reads) pointed at the forward pass and at an fp16 wire there was none of (bf16, no hook)."""
+    messages = run_ranks(_broken_weight, 2)
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "parameter '3.weight' holds inf on rank 1" in messages[0], messages[0]
+    assert "fp16 wire" not in messages[0]
+
+
 def _floor(rank, world):
     try:
         _train(

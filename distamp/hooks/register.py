@@ -204,6 +204,7 @@ def register(
     if gather_dtype is not None:
         assert isinstance(masters, ShardedMasterParams)
         masters.update_dtype = None if gather_dtype == torch.float32 else gather_dtype
+    st.group.fp16_wire = wire == torch.float16
     if reduce_scatter:
         assert isinstance(masters, ShardedMasterParams)
         # See [Note: reduce-scatter into the shards].

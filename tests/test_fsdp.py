@@ -331,6 +331,42 @@ def test_wrong_order_is_refused_clearly():
     assert "pass num_losses to distamp.fsdp.fully_shard" in messages["loss_id past num_losses"]
 
 
+def _tied(tie):
+    """Net with a second head, tied to the first (as HF's tie_word_embeddings) or not: the same
+    state_dict keys, one parameter less when tied."""
+    model = Net()
+    model.head = nn.Linear(16, 3)
+    if tie:
+        model.head.weight = model.out.weight
+    return model
+
+
+def _another_model(rank, world, directory):
+    model = _tied(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O3", verbosity=0)
+    _step(model, opt, 0, rank, world)
+    distamp.save_checkpoint(directory, model, opt)
+    other = _tied(False)
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other, opt2 = distamp.fsdp.fully_shard(other, opt2, opt_level="O3", verbosity=0)
+    try:
+        distamp.load_checkpoint(directory, other, opt2)
+    except distamp.checkpoint.CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_checkpoint_of_another_model_under_fsdp_says_so_without_keep_fp32_hints(tmp_path):
+    """An audit: under FSDP the refusal called a cast bf16 head "stepped whole (kept FP32 or not
+    cast)" and hinted at keep_fp32_modules, which fully_shard refuses."""
+    messages = run_ranks(_another_model, 2, str(tmp_path / "ckpt"))
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "'head.weight' is absent in the checkpoint and present here" in messages[0], messages
+    assert "another model than the one saved" in messages[0]
+    assert "keep_fp32" not in messages[0] and "kept FP32" not in messages[0]
+
+
 # -- the example ------------------------------------------------------------------------------------
 
 

@@ -751,7 +751,13 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
                 raise CheckpointError(
                     f"optimizers[{o}].param_groups[{g}] holds other parameters than in the "
                     "checkpoint; expected the same parameters in the same order: "
-                    + _group_difference(mine_flat, theirs_flat, mine_kept, saved_group["kept"])
+                    + _group_difference(
+                        mine_flat,
+                        theirs_flat,
+                        mine_kept,
+                        saved_group["kept"],
+                        fsdp=view.st is not None and type(view.st.masters).__name__ == "FSDPParams",
+                    )
                 )
     if len(manifest["scalers"]) != (
         len(target.scaler_group.scalers) if target.scaler_group is not None else 0
@@ -766,8 +772,13 @@ def _group_difference(
     theirs_flat: tuple[list[str], Any] | None,
     mine_kept: list[str],
     theirs_kept: list[str],
+    *,
+    fsdp: bool = False,
 ) -> str:
-    """The first difference between a param group here and in the checkpoint, in words."""
+    """The first difference between a param group here and in the checkpoint, in words. Under
+    FSDP every parameter is its own master: present or absent, nothing about keep_fp32_modules
+    (an audit: "stepped whole (kept FP32 or not cast)" of a cast bf16 head, and a hint at an
+    argument fully_shard refuses)."""
     flat = {
         "here": mine_flat[0] if mine_flat else [],
         "saved": theirs_flat[0] if theirs_flat else [],
@@ -775,18 +786,25 @@ def _group_difference(
     kept = {"here": mine_kept, "saved": theirs_kept}
     where = {
         side: {
-            **dict.fromkeys(flat[side], "with FP32 masters"),
-            **dict.fromkeys(kept[side], "stepped whole (kept FP32 or not cast)"),
+            **dict.fromkeys(flat[side], "present" if fsdp else "with FP32 masters"),
+            **dict.fromkeys(
+                kept[side], "present" if fsdp else "stepped whole (kept FP32 or not cast)"
+            ),
         }
         for side in ("here", "saved")
     }
     for name in [*where["saved"], *where["here"]]:
         saved, here = where["saved"].get(name), where["here"].get(name)
         if saved != here:
+            why = (
+                "another model than the one saved (an untied head, a layer more or less?)"
+                if fsdp
+                else "other keep_fp32_modules, keep_batchnorm_fp32 or parameters than when it "
+                "was saved?"
+            )
             return (
                 f"parameter {name!r} is {saved or 'absent'} in the checkpoint and "
-                f"{here or 'absent'} here (other keep_fp32_modules, keep_batchnorm_fp32 or "
-                "parameters than when it was saved?)"
+                f"{here or 'absent'} here ({why})"
             )
     for what, names in (("with FP32 masters", flat), ("stepped whole", kept)):
         if names["here"] != names["saved"]:

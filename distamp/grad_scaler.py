@@ -16,6 +16,7 @@ step on unscaled gradients); and the scale grows through :class:`distamp.LossSca
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -170,6 +171,9 @@ class GradScaler:
                 f"found none on {where} (run backward on the scaled loss first)"
             )
         self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
+        st = _distamp_state(optimizer)
+        if st is not None:  # wrap's O0/O1 optimizer: the scale and the skips are ours (an audit:
+            st.grad_scaler = weakref.ref(self)  # step() warned "without scale_loss")
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
@@ -187,6 +191,11 @@ class GradScaler:
             self.unscale_(optimizer)
         _, found_inf = self._per_optimizer[id(optimizer)]
         result = None if found_inf else optimizer.step(*args, **kwargs)
+        st = _distamp_state(optimizer)
+        if found_inf and st is not None:  # distamp.stats counts the skip it never saw
+            st.steps += 1
+            st.skipped_steps += 1
+            st.last_step_skipped = True
         self._per_optimizer[id(optimizer)] = (_Stage.STEPPED, found_inf)
         return result
 
@@ -293,13 +302,18 @@ def _checked(name: str, value: float, *, low: float, high: float = float("inf"))
     return float(value)
 
 
+def _distamp_state(optimizer: torch.optim.Optimizer) -> Any:
+    """The distamp state of an optimizer ``wrap`` returned (None for a plain one)."""
+    inner = inner_optimizer(optimizer)
+    return getattr(inner, "_distamp", None)
+
+
 def _refuse_master_weights(optimizer: torch.optim.Optimizer) -> None:
     """A half-migrated script: ``distamp.wrap(..., opt_level="O2")`` added, GradScaler kept. The
     optimizer's param_groups then hold FP32 masters, which get gradients only inside distamp's
     own step, so the scaler found none and said "run backward first" after a backward. Raised on
     every rank alike (wrap made every rank's optimizer the same), before any collective."""
-    inner = inner_optimizer(optimizer)
-    st = getattr(inner, "_distamp", None)
+    st = _distamp_state(optimizer)
     if st is not None and (st.group.props.master_weights or st.masters.sharded):
         held = (
             "this rank's shard of the FP32 weights (shard_master_weights=True)"

@@ -918,11 +918,14 @@ def stats(optimizer: torch.optim.Optimizer) -> AmpStats:
             optimizer_state_bytes=_state_bytes(inner_optimizer(optimizer) or optimizer),
         )
     (st,) = states
+    driver = st.grad_scaler() if st.grad_scaler is not None else None
     return AmpStats(
         steps=st.steps,
         skipped_steps=st.skipped_steps,
         last_step_skipped=st.last_step_skipped,
-        loss_scales=tuple(s.scale for s in st.group.scalers),
+        loss_scales=tuple(  # under distamp.GradScaler its scale is the one in use
+            s.scale if driver is None else float(driver.get_scale()) for s in st.group.scalers
+        ),
         master_bytes=st.masters.master_bytes(),
         optimizer_state_bytes=_state_bytes(inner_optimizer(optimizer) or optimizer),
         last_nonfinite=st.last_nonfinite,

@@ -1,5 +1,7 @@
 """distamp.GradScaler: torch.amp.GradScaler's API, one decision on every rank, FP16 gradients."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,10 +133,36 @@ def test_a_wrapped_o2_optimizer_with_a_grad_scaler_says_what_to_write(level):
         ):
             scaler.step(opt)
         assert all(p.grad is not None for p in model.parameters())  # nothing lost
-    else:
-        with pytest.warns(UserWarning, match="without distamp.scale_loss"):
+    else:  # distamp.GradScaler is what the "without scale_loss" warning advises: none
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             scaler.step(opt)
         scaler.update()
+
+
+def test_a_wrapped_o1_optimizer_driven_by_distamp_grad_scaler_reports_its_skips_and_scale():
+    """An audit (nanoGPT migrated with wrap O1 and distamp.GradScaler): step() warned "without
+    distamp.scale_loss ... use distamp.GradScaler", and distamp.stats missed the scaler's skip
+    and showed 65536 while the scale in use was 32768."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+    scaler = distamp.GradScaler()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, (x, y) in enumerate(data(3, 4)):
+            loss = F.mse_loss(model(x).float(), y) * (float("inf") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            stats = distamp.stats(opt)
+            assert stats.last_step_skipped == (step == 1), step
+            assert stats.loss_scales == (scaler.get_scale(),)
+    assert (stats.steps, stats.skipped_steps) == (3, 1)
+    assert scaler.get_scale() == 2.0**15
 
 
 def _grad_scaler_on_sharded_fp32_weights(rank, world):

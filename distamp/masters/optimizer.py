@@ -67,6 +67,9 @@ class AmpOptimizerState:
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.warned_unscaled_step = False
+        self.grad_scaler: weakref.ref[Any] | None = None
+        """The ``distamp.GradScaler`` that unscales and decides for this optimizer (O0/O1 without
+        scale_loss): its scale is the one in use, and its skips are this optimizer's."""
         self.scaled_grads: list[tuple[Any, tuple[int, int] | None]] = []
         """(parameter, grad_version) of every model gradient at the end of the last scale_loss
         block: see [Note: scaled gradients touched before step()]."""
@@ -204,7 +207,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
             _refuse_a_second_step_on_the_same_gradients(st)
             placeholder = _torch_state_init_step(self)
-            if not st.warned_unscaled_step and not placeholder:
+            driven = st.grad_scaler is not None and st.grad_scaler() is not None
+            if not st.warned_unscaled_step and not placeholder and not driven:
                 warnings.warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
                     "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies. "

@@ -1,7 +1,7 @@
 """``from distamp import amp``: a drop-in for the deleted ``apex.amp`` module.
 
-A script that changes only ``from apex import amp`` to ``from distamp import amp`` runs
-unchanged: ``amp.initialize``, ``amp.scale_loss``, ``amp.state_dict``/``amp.load_state_dict``,
+A script that uses apex's public API and changes only ``from apex import amp`` to ``from distamp
+import amp`` runs unchanged: ``amp.initialize``, ``amp.scale_loss``, ``amp.state_dict``/``amp.load_state_dict``,
 ``amp.master_params``, ``amp.disable_casts``, the ``half_function``/``float_function``/
 ``promote_function`` decorators and ``register_*_function``. Everything runs on :func:`distamp.wrap`, so it is correct across DDP
 ranks (one skip decision for all) where apex was not.
@@ -14,7 +14,10 @@ entry, as in apex; use :func:`distamp.wrap` and ``optimizer.state_dict()`` to ho
 
 Differences from apex that a script can notice: gradients are unscaled at ``optimizer.step()``
 (or when :func:`master_params` is called, which is where apex scripts clip; on every rank: it takes
-the global skip decision), not at the end of the ``scale_loss`` block; masters are replicated
+the global skip decision), not at the end of the ``scale_loss`` block — so under O2 the FP32 masters
+in ``optimizer.param_groups`` have no ``.grad`` until then: a script that edits gradients there
+(NVIDIA's ConvNets divide them for accumulation) iterates ``amp.master_params(optimizer)``
+instead; apex's private state (``_amp_stash``, ``_has_overflow`` aside, ...) is refused by name; masters are replicated
 (``shard_master_weights=False``) as apex's were; ``register_*_function`` refuses torch's own
 modules (distamp never patches torch) and says what to write instead. tests/test_apex_conformance.py
 holds apex's own amp tests rewritten against this module.
@@ -107,12 +110,50 @@ def scale_loss(
     return _scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
 
 
+_APEX_INTERNALS = {
+    "_has_overflow": "distamp.stats(optimizer).last_step_skipped",
+    "_overflow_buf": "distamp.stats(optimizer).last_step_skipped (the skip is decided in step())",
+    "update_scale": "nothing: the scale moves in optimizer.step()",
+    "_amp_stash": "amp.master_params(optimizer) for the FP32 masters (in optimizer.state_dict())",
+    "_lazy_init_maybe_master_weights": (
+        "nothing: the FP32 masters exist from initialize and come back with "
+        "optimizer.load_state_dict (drop the 'master params' restore)"
+    ),
+    "opt_properties": "the arguments given to amp.initialize (distamp keeps them per optimizer)",
+    "handle": "amp.scale_loss / amp.disable_casts (no handle object)",
+}
+"""apex internals that NVIDIA's DeepLearningExamples read, and what to write instead (an audit:
+bare AttributeErrors naming the user's own optimizer class)."""
+
+
+def _apex_internal(owner: str, name: str) -> AttributeError:
+    if name in _APEX_INTERNALS:
+        return AttributeError(
+            f"{owner}.{name} is apex's internal state, which distamp.amp does not keep: "
+            f"expected {_APEX_INTERNALS[name]}"
+        )
+    return AttributeError(f"{owner} has no attribute {name!r}")
+
+
 class _ScalerView:
     """One of apex's ``amp._amp_state.loss_scalers``, as scripts read and set it: ``loss_scale()``,
-    ``_loss_scale`` (NVIDIA's BERT sets it to start at 2**20) and ``_unskipped``."""
+    ``_loss_scale`` (NVIDIA's BERT sets it to start at 2**20), ``_unskipped`` and ``_has_overflow``
+    (whether the last step was skipped). Other attributes are refused, not stored on a view that
+    is thrown away."""
 
-    def __init__(self, scaler: LossScaler) -> None:
+    __slots__ = ("_group", "_scaler")
+
+    def __init__(self, scaler: LossScaler, group: ScalerGroup) -> None:
         self._scaler = scaler
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        raise _apex_internal("amp._amp_state.loss_scalers[i]", name)
+
+    @property
+    def _has_overflow(self) -> bool:
+        """apex's flag after a step: that step was skipped (NVIDIA's BERT counts steps with it)."""
+        return any(st.last_step_skipped for st in self._group.optimizers)
 
     def loss_scale(self) -> float:
         return self._scaler.scale
@@ -145,7 +186,10 @@ class _AmpStateView:
     @property
     def loss_scalers(self) -> list[_ScalerView]:
         group = _REGISTRY.get("group")
-        return [_ScalerView(s) for s in group.scalers] if group is not None else []
+        return [_ScalerView(s, group) for s in group.scalers] if group is not None else []
+
+    def __getattr__(self, name: str) -> Any:
+        raise _apex_internal("amp._amp_state", name)
 
 
 def __getattr__(name: str) -> Any:

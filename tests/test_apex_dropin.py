@@ -333,3 +333,52 @@ def test_disable_casts_reaches_the_recomputation_of_an_activation_checkpoint(ree
 
     for got, want in zip(grads(True), grads(False), strict=True):
         assert torch.equal(got, want)
+
+
+def test_nvidia_scripts_apex_internals_are_read_or_named():
+    """NVIDIA's DeepLearningExamples read apex internals: BERT counts steps with
+    ``loss_scalers[0]._has_overflow`` (an AttributeError, an audit); the others got bare
+    AttributeErrors naming the user's optimizer class, and a write to a scaler view was kept on a
+    throw-away object."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    overflowed = []
+    for step, (x, y) in enumerate(data(3, 8)):
+        loss = F.mse_loss(model(x).float(), y) * (float("inf") if step == 1 else 1.0)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        overflowed.append(amp._amp_state.loss_scalers[0]._has_overflow)
+    assert overflowed == [False, True, False]
+    scaler = amp._amp_state.loss_scalers[0]
+    with pytest.raises(AttributeError, match=r"_overflow_buf"):
+        scaler._overflow_buf = torch.zeros(1)
+    with pytest.raises(AttributeError, match=r"update_scale is apex's internal.*step\(\)"):
+        scaler.update_scale()
+    with pytest.raises(AttributeError, match=r"amp._amp_state.handle is apex's internal"):
+        amp._amp_state.handle  # noqa: B018
+    for name in ("_amp_stash", "_lazy_init_maybe_master_weights"):
+        with pytest.raises(AttributeError, match=rf"optimizer.{name} is apex's internal state"):
+            getattr(optimizer, name)
+    with pytest.raises(AttributeError, match=r"'SGD' object has no attribute 'nothing'"):
+        optimizer.nothing  # noqa: B018
+
+
+def test_editing_param_groups_gradients_under_o2_names_master_params():
+    """NVIDIA's ConvNets divide every ``param_groups`` gradient for accumulation: under O2 the
+    FP32 masters have no .grad before step(), so only the FP32-kept norm layers were divided,
+    and the warning blamed something else (an audit). It names the loop and the fix now."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    x, y = next(iter(data(1, 8)))
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                param.grad /= 2
+    with pytest.warns(UserWarning, match=r"iterate amp.master_params\(optimizer\) instead"):
+        optimizer.step()

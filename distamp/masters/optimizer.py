@@ -256,6 +256,19 @@ class AmpOptimizer(torch.optim.Optimizer):
                 watch_backward(st, st.masters.model_params)
         return loss
 
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for attributes the optimizer lacks: apex's internals that NVIDIA's
+        scripts read are named with their replacement (an audit: a bare AttributeError naming
+        the user's own optimizer class read like a bug in it)."""
+        if name in ("_amp_stash", "_lazy_init_maybe_master_weights"):
+            raise AttributeError(
+                f"optimizer.{name} is apex's internal state, which distamp does not keep: the "
+                "FP32 masters exist from wrap/amp.initialize, are read with "
+                "amp.master_params(optimizer) and saved and restored by optimizer.state_dict() / "
+                "load_state_dict (drop the script's own 'master params' save and restore)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # Optimizer.profile_hook_step would wrap this method and fire step hooks twice (ours, then the
     # inner class's step, which is hooked already). Mark it as hooked so torch leaves it alone.
     step.hooked = True  # type: ignore[attr-defined]
@@ -1052,6 +1065,14 @@ def _warn_if_scaled_grads_touched(
             f"by the loss scale ({scale or 1.0:g}) — clipping or rescaling model.parameters() "
             "between scale_loss and step() sees scaled values; expected distamp.unscale_("
             "optimizer) (apex scripts: amp.master_params(optimizer)) before touching them, "
-            "or distamp.clip_grad_norm_(optimizer, max_norm)",
+            "or distamp.clip_grad_norm_(optimizer, max_norm)"
+            + (
+                ". With FP32 masters the tensors in optimizer.param_groups have no .grad "
+                "until then: a loop over param_groups that edits .grad (NVIDIA's ConvNets "
+                "divide it for accumulation) reached only the parameters kept FP32 — iterate "
+                "amp.master_params(optimizer) instead"
+                if st.group.props.master_weights and not st.masters.sharded
+                else ""
+            ),
             stacklevel=3,
         )

@@ -156,6 +156,31 @@ def test_clipping_the_model_while_gradients_are_still_scaled_is_warned_about():
         assert len(messages) == (1 if warned else 0), (touch, messages)
 
 
+def test_step_warnings_reach_the_caller_through_an_lr_schedulers_wrapper():
+    """An LR scheduler wraps optimizer.step (torch/optim/lr_scheduler.py), and accelerate (so the
+    Trainer) ignores UserWarnings from that module: step()'s warnings — here the clip of scaled
+    gradients that left an fp16 model untrained — were dropped (an audit). They are attributed
+    to this file now."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.optim.lr_scheduler")
+        for x, y in data(2, 8):
+            with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    found = [w for w in seen if "still multiplied" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == __file__, [
+        (w.filename, str(w.message)[:60]) for w in seen
+    ]
+
+
 def _clip_param_groups(rank, world, how):
     """Clipping what optimizer.param_groups hold, with sharded O2 masters and a LayerNorm that
     every rank steps whole (an audit: two ranks' LayerNorm weights parted silently)."""

@@ -16,6 +16,8 @@ optimizer steps. Keeping them scaled makes k micro-batches equal one k-times-lar
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -209,14 +211,13 @@ class AmpOptimizer(torch.optim.Optimizer):
             placeholder = _torch_state_init_step(self)
             driven = st.grad_scaler is not None and st.grad_scaler() is not None
             if not st.warned_unscaled_step and not placeholder and not driven:
-                warnings.warn(
+                _warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
                     "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies. "
                     "If torch.amp.GradScaler drives this optimizer (scaler.step(optimizer)), "
                     "use distamp.GradScaler (the same API) instead: torch's decides each rank's "
                     "skip alone, and a rank that skips while the others step leaves their skip "
-                    "decision's all-reduce unmatched (a hang, or gloo's 'collective mismatch')",
-                    stacklevel=2,
+                    "decision's all-reduce unmatched (a hang, or gloo's 'collective mismatch')"
                 )
                 st.warned_unscaled_step = True
             st.grad_scale = 1.0
@@ -333,13 +334,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         with_masters = st.group.props.master_weights
         rounded = [st.group.param_names[id(p)] for p in params if p.dtype in HALF_DTYPES]
         if rounded and with_masters:
-            warnings.warn(
+            _warn(
                 f"optimizer.add_param_group: the FP32 masters of {rounded[:3]}"
                 f"{' and more' if len(rounded) > 3 else ''} start from their half weights: wrap "
                 "cast them before they were in an optimizer. To keep them exact, hand them to the "
                 "optimizer before wrap (frozen parameters are fine: they get masters and are "
-                "stepped once they have gradients)",
-                stacklevel=2,
+                "stepped once they have gradients)"
             )
         # Without master weights (O3) the half parameters are stepped in half, like wrap's own.
         stepped = st.masters.add_group(params, fp32_masters=with_masters)
@@ -475,15 +475,35 @@ def _warn_scale_starts_afresh(st: AmpOptimizerState) -> None:
     missing (an audit). They load; the loss scale and step counters start afresh."""
     dynamic = [s for s in st.group.scalers if s.dynamic]
     if dynamic:
-        warnings.warn(
+        _warn(
             "optimizer.load_state_dict: the state dict holds torch's entries only (no 'distamp' "
             "entry: torch.distributed.checkpoint's get_state_dict/set_state_dict keep only "
             "those, as does a plain or apex run's optimizer.state_dict()). The optimizer state "
             f"is loaded; the dynamic loss scale starts again at {dynamic[0].scale:g} (it backs "
             "off within a few skipped steps if that is too high). distamp.save_checkpoint / "
-            "load_checkpoint keep the scale",
-            stacklevel=3,
+            "load_checkpoint keep the scale"
         )
+
+
+_DISTAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_OPTIM_DIR = os.path.dirname(os.path.abspath(torch.optim.__file__))
+
+
+def _warn(message: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside distamp and ``torch.optim``: with
+    an LR scheduler torch wraps ``optimizer.step`` (torch/optim/lr_scheduler.py), and accelerate
+    (so the Trainer too) ignores UserWarnings from that module — every warning of ``step()`` was
+    silently dropped there, among them the one for a clip of still-scaled gradients that left
+    an fp16 model untrained (an audit). A fixed stacklevel cannot know how many wrappers the
+    caller added."""
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(
+        (_DISTAMP_DIR + os.sep, _TORCH_OPTIM_DIR + os.sep)
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:
@@ -528,7 +548,7 @@ def _after_edited_skip(st: AmpOptimizerState, report: NonFiniteReport) -> None:
     st.group.last_nonfinite = report
     st.group.total_skips += 1
     if st.group.props.verbosity >= 1 and st.group.rank == 0:
-        warnings.warn(f"distamp: skipping optimizer step: {report}", stacklevel=3)
+        _warn(f"distamp: skipping optimizer step: {report}")
     st.group.unscaled_skips += 1
     limit = st.group.props.max_consecutive_skips
     if st.group.unscaled_skips >= limit:
@@ -581,24 +601,22 @@ def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) ->
         return
     st.warned_shard_state_dict = True
     if st.masters.fsdp:
-        warnings.warn(
+        _warn(
             f"optimizer.state_dict() on rank {shard['rank']}: under FSDP it holds this rank's "
             f"shard of the parameters' optimizer state only (1 of {shard['world_size']}), so a "
             "checkpoint rank 0 saves alone cannot be resumed. Expected distamp.save_checkpoint("
             "path, model, optimizer) on every rank (any world size on resume), or every rank "
-            "saving and loading its own state_dict at the same world size",
-            stacklevel=3,
+            "saving and loading its own state_dict at the same world size"
         )
         return
-    warnings.warn(
+    _warn(
         f"optimizer.state_dict() on rank {shard['rank']}: it holds this rank's shard of the FP32 "
         f"masters and optimizer state only (1 of {shard['world_size']}; sharded masters are "
         "O2's default across ranks), so a checkpoint rank 0 saves alone cannot be resumed: the "
         "other ranks' shards are not in it. Expected distamp.save_checkpoint(path, model, "
         "optimizer) on every rank (any world size on resume), or every rank saving and loading "
         "its own state_dict at the same world size, or wrap(..., shard_master_weights=False) "
-        "(rank 0's is everyone's)",
-        stacklevel=3,
+        "(rank 0's is everyone's)"
     )
 
 
@@ -823,13 +841,12 @@ def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:
             f"loss_id={loss_id}); clear these gradients (zero_grad) and train on"
         )
     if st.unlisted_loss is not None and not st.warned_unlisted:
-        warnings.warn(
+        _warn(
             f"optimizer.step(): optimizer {index}'s gradients were written by a scale_loss block "
             f"of loss_id={st.unlisted_loss} that did not list it; they were taken at that block's "
             "loss scale. Pass every optimizer whose parameters the loss reaches "
             "(scale_loss(loss, [opt_a, opt_b])), or clear them (zero_grad) if they are not meant "
-            "to be stepped (a GAN's discriminator after the generator's loss)",
-            stacklevel=3,
+            "to be stepped (a GAN's discriminator after the generator's loss)"
         )
         st.warned_unlisted = True
 
@@ -1020,13 +1037,12 @@ def _warn_if_shards_touched(st: AmpOptimizerState) -> None:
     uniform = bool(((ratio - ratio[0]).abs() <= 1e-6 * ratio[0].abs()).all())
     if uniform and float(ratio[0]) != 1.0:  # every value times one factor: a norm clip
         st.warned_shards_touched = True
-        warnings.warn(
+        _warn(
             "optimizer.step(): the gradients in optimizer.param_groups were scaled by one factor "
             "after unscale_, as a norm clip does; with sharded masters (shard_master_weights) "
             "they are this rank's shard of the model's, so a norm over them (clip_grad_norm_ "
             "over param_groups, amp.master_params) is this rank's, not the model's. Expected distamp.clip_grad_norm_(optimizer, max_norm), or torch's "
-            "clip_grad_norm_ over model.parameters() after distamp.unscale_(optimizer)",
-            stacklevel=3,
+            "clip_grad_norm_ over model.parameters() after distamp.unscale_(optimizer)"
         )
 
 
@@ -1060,7 +1076,7 @@ def _warn_if_scaled_grads_touched(
     """The warning of [Note: scaled gradients touched before step()], once per optimizer."""
     if bool(touched):
         st.warned_touched_scaled = True
-        warnings.warn(
+        _warn(
             f"optimizer.step(): a gradient was modified after backward while still multiplied "
             f"by the loss scale ({scale or 1.0:g}) — clipping or rescaling model.parameters() "
             "between scale_loss and step() sees scaled values; expected distamp.unscale_("
@@ -1073,6 +1089,5 @@ def _warn_if_scaled_grads_touched(
                 "amp.master_params(optimizer) instead"
                 if st.group.props.master_weights and not st.masters.sharded
                 else ""
-            ),
-            stacklevel=3,
+            )
         )

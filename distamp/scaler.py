@@ -887,6 +887,19 @@ class ScalerGroup:
                     "leave their bucket and every later one unreduced: pass "
                     "find_unused_parameters=True to DDP (or use every parameter)"
                 )
+            frozen = [
+                self.param_names.get(id(p), "?")
+                for p in st.masters.model_params
+                if not p.requires_grad and p.grad is None
+            ]
+            if frozen:  # (an audit: frozen after DDP was built, another parameter was named)
+                first += (
+                    f"; parameters frozen now (requires_grad=False): "
+                    f"{', '.join(map(repr, frozen[:4]))}{' and more' if len(frozen) > 4 else ''}"
+                    " — if frozen after DDP was built, DDP still waits for their gradients and "
+                    "leaves their bucket and every later one unreduced: rebuild DDP after "
+                    "freezing, or pass find_unused_parameters=True"
+                )
             raise RuntimeError(
                 f"{api}: expected the model's gradients identical on every rank of "
                 f"distamp.wrap's process_group (ranks {dist.get_process_group_ranks(group)}), as "
@@ -902,7 +915,10 @@ class ScalerGroup:
                 "a parameter DDP does not reduce (frozen when DDP was built: rebuild DDP "
                 "after unfreezing; one you meant DDP to leave alone: name it with "
                 "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model before "
-                "building DDP, and distamp leaves it out of this check too). Ranks that train "
+                "building DDP, and distamp leaves it out of this check too — where DDP wraps a "
+                "container of the wrapped model, name them on that container and call "
+                "distamp.hooks.register(ddp, optimizer), which reads DDP's own list). Ranks "
+                "that train "
                 "apart on purpose: wrap with process_group=a one-rank group "
                 "(dist.new_subgroups(group_size=1)[0])"
             )

@@ -499,6 +499,24 @@ def _warn_about_plan(
         and id(buf) in plan.cast_buffers
         and not torch.equal(buf.to(plan.half_dtype).to(buf.dtype), buf)
     ]
+    scalars = [
+        (f"{prefix}{'.' if prefix else ''}{name}")
+        for i, model in enumerate(models)
+        for prefix, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and id(buf) in plan.cast_buffers and buf.dim() == 0
+    ]
+    if scalars:  # (an audit: a step counter cast unchanged at 0 stopped at 256, no warning)
+        integers = round(2 / torch.finfo(plan.half_dtype).eps)  # 256 in bf16, 2048 in fp16
+        warnings.warn(
+            f"distamp.wrap: scalar buffer(s) {scalars[:3]}"
+            f"{f' and {len(scalars) - 3} more' if len(scalars) > 3 else ''} cast to "
+            f"{plan.half_dtype} with their module's parameters: a counter or running total "
+            f"there stops counting exactly past {integers} (x += 1 stays at {integers}). If one "
+            "is, hold it in a module without parameters (kept FP32), list its module in "
+            "keep_fp32_modules, or make it an integer buffer",
+            stacklevel=3,
+        )
     if lossy:
         more = f" and {len(lossy) - 3} more" if len(lossy) > 3 else ""
         warnings.warn(

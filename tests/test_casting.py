@@ -360,3 +360,20 @@ def test_inputs_cast_down_saturate_so_an_fp32_mask_stays_a_mask(half):
     out = model(x, attention_mask=mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference(x, mask), atol=0.05, rtol=0)
+
+
+def test_a_scalar_buffer_cast_with_its_modules_weights_is_named():
+    """An audit: a float step counter cast to bf16 at 0 (unchanged, so the lost-precision warning
+    never fired) stopped at 256 (x += 1 stays there)."""
+
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("steps", torch.zeros(()))
+
+    model = Counted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"scalar buffer\(s\) \['steps'\].*past 256"):
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    assert model.steps.dtype == torch.bfloat16

@@ -532,3 +532,31 @@ def test_fp32_gradients_with_no_loss_scale_go_over_a_bf16_wire_not_fp16():
         assert (
             out["list"] is not None and "expected one optimizer, found a list of 2" in out["list"]
         )
+
+
+def _frozen_after_ddp(rank, world):
+    """A layer frozen after DDP was built (find_unused_parameters=False): DDP waits for its
+    gradient and leaves its bucket and every later one unreduced."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model, bucket_cap_mb=1e-5)
+    model[2].requires_grad_(False)
+    x = torch.full((2, 4), float(rank + 1))
+    with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_layer_frozen_after_ddp_is_named_in_the_refusal():
+    """An audit: the refusal named an innocent parameter of a later bucket and said nothing of
+    the layer frozen after DDP was built."""
+    messages = run_ranks(_frozen_after_ddp, 2)
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "parameters frozen now (requires_grad=False): '2.weight', '2.bias'" in messages[0]
+    assert "if frozen after DDP was built" in messages[0]

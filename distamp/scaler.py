@@ -874,11 +874,9 @@ class ScalerGroup:
             # A parameter forward did not use, under DDP's default find_unused_parameters=False:
             # DDP waits for its gradient and reduces neither its bucket nor any later one; the
             # parted gradient named above is another bucket's (an audit hunted a wrap-order bug).
-            missing = [
-                self.param_names.get(id(p), "?")
-                for p in st.masters.model_params
-                if p.requires_grad and p.grad is None
-            ]
+            no_grad = [p for p in st.masters.model_params if p.grad is None]
+            missing = [self.param_names.get(id(p), "?") for p in no_grad if p.requires_grad]
+            frozen = [self.param_names.get(id(p), "?") for p in no_grad if not p.requires_grad]
             if missing:
                 first += (
                     f"; parameters with no gradient on this rank: "
@@ -887,11 +885,6 @@ class ScalerGroup:
                     "leave their bucket and every later one unreduced: pass "
                     "find_unused_parameters=True to DDP (or use every parameter)"
                 )
-            frozen = [
-                self.param_names.get(id(p), "?")
-                for p in st.masters.model_params
-                if not p.requires_grad and p.grad is None
-            ]
             if frozen:  # (an audit: frozen after DDP was built, another parameter was named)
                 first += (
                     f"; parameters frozen now (requires_grad=False): "

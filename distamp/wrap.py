@@ -490,22 +490,15 @@ def _warn_about_plan(
         )
     if plan.half_dtype is None or not props.keep_batchnorm_fp32:
         return
-    lossy = [
-        (f"{prefix}{'.' if prefix else ''}{name}")
-        for i, model in enumerate(models)
+    cast = [  # the buffers cast with their module's parameters, by name
+        (f"{prefix}{'.' if prefix else ''}{name}", buf)
+        for model in models
         for prefix, module in model.named_modules()
         for name, buf in module._buffers.items()
-        if buf is not None
-        and id(buf) in plan.cast_buffers
-        and not torch.equal(buf.to(plan.half_dtype).to(buf.dtype), buf)
+        if buf is not None and id(buf) in plan.cast_buffers
     ]
-    scalars = [
-        (f"{prefix}{'.' if prefix else ''}{name}")
-        for i, model in enumerate(models)
-        for prefix, module in model.named_modules()
-        for name, buf in module._buffers.items()
-        if buf is not None and id(buf) in plan.cast_buffers and buf.dim() == 0
-    ]
+    lossy = [n for n, b in cast if not torch.equal(b.to(plan.half_dtype).to(b.dtype), b)]
+    scalars = [n for n, b in cast if b.dim() == 0]
     if scalars:  # (an audit: a step counter cast unchanged at 0 stopped at 256, no warning)
         integers = round(2 / torch.finfo(plan.half_dtype).eps)  # 256 in bf16, 2048 in fp16
         warnings.warn(

@@ -222,13 +222,25 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     return iter([p for group in optimizer.param_groups for p in group["params"]])
 
 
+_NOT_INITIALIZED = (
+    "{call}: amp.initialize was not called in this process, so it {then}; the loss scale of "
+    "distamp.wrap's optimizer is saved and restored by optimizer.state_dict() / "
+    "load_state_dict() (and distamp.save_checkpoint)"
+)
+
+
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """apex's ``amp.state_dict()``: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}}``.
 
     The FP32 masters are in ``optimizer.state_dict()`` (apex lost them); save both.
     """
     out = destination if destination is not None else {}
-    group = _REGISTRY.get("group")
+    if "group" not in _REGISTRY:
+        warnings.warn(
+            _NOT_INITIALIZED.format(call="amp.state_dict()", then="returns {}"), stacklevel=2
+        )
+        return out
+    group = _REGISTRY["group"]
     if group is None:
         return out
     for i, scaler in enumerate(group.scalers):
@@ -239,9 +251,16 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 def load_state_dict(state: dict[str, Any]) -> None:
     """Restore :func:`state_dict`'s output into the scalers of the latest ``initialize``."""
     if "group" not in _REGISTRY:
+        if not state:  # what amp.state_dict() gave without initialize: nothing to restore
+            warnings.warn(
+                _NOT_INITIALIZED.format(call="amp.load_state_dict({})", then="loads nothing"),
+                stacklevel=2,
+            )
+            return
         raise RuntimeError(
             "amp.load_state_dict: expected amp.initialize(model, optimizer, ...) to be called "
-            "first (apex's order: initialize, then load the model, optimizer and amp state)"
+            f"first (apex's order: initialize, then load the model, optimizer and amp state); "
+            f"found no initialize in this process, and {sorted(state)} to load"
         )
     group = _REGISTRY["group"]
     if group is None:  # initialize(enabled=False) or without optimizers: no scalers, a no-op

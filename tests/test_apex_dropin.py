@@ -47,6 +47,29 @@ def distamp_script(opt_level, steps=STEPS):
     return model, optimizer
 
 
+def test_apex_save_lines_after_distamp_wrap_warn_and_resume_keeps_the_scale(monkeypatch):
+    """A script moved to distamp.wrap that kept apex's ``"amp": amp.state_dict()`` save line and
+    its ``amp.load_state_dict`` resume line: both say where the scale is (the optimizer's state
+    dict) and neither fails at resume; the scale comes back through optimizer.load_state_dict."""
+    monkeypatch.setattr(distamp.amp, "_REGISTRY", {})  # a process that never ran amp.initialize
+    model, optimizer = distamp_script("O2", steps=3)
+    optimizer._distamp.group.scalers[0].set_loaded_scale(1024.0, "test")
+    with pytest.warns(UserWarning, match=r"amp.initialize was not called.*optimizer.state_dict"):
+        saved_amp = amp.state_dict()
+    assert saved_amp == {}
+    checkpoint = {"optimizer": optimizer.state_dict(), "amp": saved_amp}
+    model2 = mlp()
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
+    model2, optimizer2 = distamp.wrap(model2, optimizer2, opt_level="O2", verbosity=0)
+    optimizer2.load_state_dict(checkpoint["optimizer"])
+    with pytest.warns(UserWarning, match=r"amp.load_state_dict\(\{\}\).*loads nothing"):
+        amp.load_state_dict(checkpoint["amp"])
+    assert distamp.stats(optimizer2).loss_scales == (1024.0,)
+    with pytest.raises(RuntimeError, match=r"found no initialize.*loss_scaler0"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
+    assert distamp.stats(optimizer2).loss_scales == (1024.0,)
+
+
 @pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
 def test_apex_script_matches_distamp_wrap(opt_level):
     a_model, a_opt = apex_script(opt_level)

@@ -3,6 +3,7 @@ buffers such as RoPE's inv_freq, FP32 modules fed integers (see [Note: one preci
 per tensor] in distamp/casting.py)."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -247,3 +248,39 @@ def test_a_stock_transformer_encoder_evaluates_with_a_padding_mask_under_o2():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_tied_weight_is_one_fp32_tensor_in_the_state_dict_as_in_torchs(level):
+    """nanoGPT ties ``lm_head`` to ``wte``: torch's state dict holds one tensor under both keys,
+    which ``torch.save`` writes once. The O2 state dict widened each alias into its own FP32
+    copy (an audit: T5's four aliases written four times). One copy per call, both keys."""
+    torch.manual_seed(0)
+    plain = NanoGPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    ref = plain.state_dict()
+    assert ref["transformer.wte.weight"].data_ptr() == ref["lm_head.weight"].data_ptr()
+    model, _, _ = _wrap(copy.deepcopy(plain), level)
+    state = model.state_dict()
+    tied = state["transformer.wte.weight"]
+    assert tied.dtype == torch.float32 and state["lm_head.weight"] is tied
+    saved, one_copy = io.BytesIO(), io.BytesIO()
+    torch.save(state, saved)
+    torch.save({"transformer.wte.weight": tied}, one_copy)
+    untied = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    untied_bytes = io.BytesIO()
+    torch.save(untied, untied_bytes)
+    assert saved.tell() - untied_bytes.tell() < one_copy.tell() // 2  # no second copy written
+    plain.load_state_dict(state)  # a plain FP32 model loads it
+    assert torch.equal(plain.lm_head.weight, tied)
+    # a later call widens the weights as they are then, not the first call's copies
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    again = model.state_dict()
+    assert again["lm_head.weight"] is again["transformer.wte.weight"]
+    assert torch.equal(again["lm_head.weight"], model.lm_head.weight.float())
+    assert not torch.equal(again["lm_head.weight"], tied)
+    # a plain dict destination (no weak reference) still widens each alias correctly
+    into: dict = {}
+    model.state_dict(destination=into)
+    assert torch.equal(into["lm_head.weight"], into["transformer.wte.weight"])
+    assert into["lm_head.weight"].dtype == torch.float32

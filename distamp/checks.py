@@ -281,9 +281,10 @@ def fingerprint(
     for i, model in enumerate(models):
         for name, param in model.named_parameters():
             meta = " (meta device)" if param.is_meta else ""
-            facts.append(
-                (f"models[{i}] parameter {name!r}", f"{tuple(param.shape)} {param.dtype}{meta}")
-            )
+            # Frozen on one rank only: DDP names it, FSDP's reduce-scatter aborted gloo (an audit)
+            frozen = "" if param.requires_grad else " frozen (requires_grad=False)"
+            value = f"{tuple(param.shape)} {param.dtype}{meta}{frozen}"
+            facts.append((f"models[{i}] parameter {name!r}", value))
     names = {id(p): f"{i}:{n}" for i, m in enumerate(models) for n, p in m.named_parameters()}
     for i, opt in enumerate(optimizers):
         facts.append((f"optimizers[{i}] class", type(opt).__name__))

@@ -103,17 +103,32 @@ def check_same_on_all_ranks(
     assert reference is not None
     for other_rank, other in enumerate(gathered):
         assert other is not None
-        if other == reference:
-            continue
-        for i in range(max(len(reference), len(other))):
-            mine = reference[i] if i < len(reference) else ("<missing>", "")
-            theirs = other[i] if i < len(other) else ("<missing>", "")
-            if mine != theirs:
-                raise ValueError(
-                    f"{what}: the ranks disagree — rank 0 has {mine[0]}={mine[1]}, rank "
-                    f"{other_rank} has {theirs[0]}={theirs[1]}; every rank must run the same "
-                    "model and settings"
-                )
+        if other != reference:
+            raise ValueError(
+                f"{what}: the ranks disagree — {_first_difference(reference, other, other_rank)}; "
+                "every rank must run the same model and settings"
+            )
+
+
+def _first_difference(
+    reference: list[tuple[str, str]], other: list[tuple[str, str]], rank: int
+) -> str:
+    """Rank 0's facts against ``rank``'s, by name: a parameter one rank lacks is named as such
+    (compared by position, one extra parameter paired every later fact with another one)."""
+    mine, theirs = dict(reference), dict(other)
+    lacking = [(0, k, mine[k], rank) for k in mine if k not in theirs]
+    lacking += [(rank, k, theirs[k], 0) for k in theirs if k not in mine]
+    if lacking:
+        has, key, value, lacks = lacking[0]
+        more = f" (and {len(lacking) - 1} more names on one rank only)" if len(lacking) > 1 else ""
+        return f"rank {has} has {key}={value}, which rank {lacks} has not{more}"
+    for key, value in mine.items():
+        if theirs[key] != value:
+            return f"rank 0 has {key}={value}, rank {rank} has {key}={theirs[key]}"
+    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
+        if a != b:  # the same names and values in another order
+            return f"rank 0 lists {a[0]} at position {i}, rank {rank} lists {b[0]} there"
+    return f"rank 0 has {len(reference)} entries, rank {rank} has {len(other)}"
 
 
 BROADCAST_BUCKET_BYTES = 32 << 20

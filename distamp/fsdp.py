@@ -316,6 +316,37 @@ def _post_order(root: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _group_of_mesh(mesh: Any, process_group: dist.ProcessGroup | None, api: str) -> Any:
+    """The group the scaler decides over: every rank of FSDP's mesh, which share its gradients.
+
+    A mesh spanning other ranks than ``process_group`` was taken, and the ranks sharing FSDP's
+    reduce-scatter decided apart: an inf on one rank skipped the step on half of them and their
+    loss scales parted, the shards half-updated (an audit, a mesh per pair of ranks, nothing
+    warned). A 1-D mesh without ``process_group`` brings its own group.
+    """
+    group = process_group or dist.group.WORLD
+    if mesh is None:
+        return group
+    if api != "fsdp2":
+        raise ValueError(
+            f"distamp.fsdp.fully_shard: mesh is for api='fsdp2', found api={api!r}; expected "
+            "process_group=... for FullyShardedDataParallel"
+        )
+    mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    group_ranks = sorted(dist.get_process_group_ranks(group))
+    if mesh_ranks == group_ranks:
+        return group
+    if process_group is None and mesh.ndim == 1:
+        return mesh.get_group()
+    given = "process_group" if process_group is not None else "the default group (the world)"
+    raise ValueError(
+        f"distamp.fsdp.fully_shard: expected the mesh and the process group to span the same "
+        f"ranks (the loss scaler's skip decision runs over the group, FSDP shares gradients over "
+        f"the mesh); found mesh ranks {mesh_ranks} and {given} ranks {group_ranks}: pass "
+        f"process_group= spanning the mesh's ranks"
+    )
+
+
 def fully_shard(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -336,8 +367,10 @@ def fully_shard(
     ``api``: "fsdp2" (``torch.distributed.fsdp.fully_shard``) or "fsdp1"
     (``FullyShardedDataParallel`` with ``use_orig_params=True``; it returns the wrapper, use the
     returned model). ``overrides``: the property overrides of :func:`distamp.wrap`
-    (``loss_scale``, ``keep_batchnorm_fp32``, ``min_loss_scale``, ...). Collective over the
-    process group (default: the world).
+    (``loss_scale``, ``keep_batchnorm_fp32``, ``min_loss_scale``, ...). ``mesh``: FSDP2's
+    ``DeviceMesh`` (a 2-D one for HSDP; default: one over ``process_group``); its ranks must be
+    ``process_group``'s, over which the loss scaler decides (a 1-D mesh alone brings its group).
+    Collective over the process group (default: the world).
     """
     if api not in ("fsdp2", "fsdp1"):
         raise ValueError(f"api: expected 'fsdp2' or 'fsdp1', got {api!r}")
@@ -383,8 +416,7 @@ def fully_shard(
             "parameters, their FP32 masters and their optimizer state; expected True or no "
             "shard_master_weights (replicated masters: distamp.wrap + DistributedDataParallel)"
         )
-    group = process_group or dist.group.WORLD
-    assert group is not None
+    group = _group_of_mesh(mesh, process_group, api)
     world = dist.get_world_size(group)
     device_type = casting.device_type_of(model)
     on_meta = device_type == "meta"

@@ -391,3 +391,51 @@ def test_torch_s_optimizer_state_dict_helpers_load_under_fsdp():
     afresh."""
     for warned, restored in run_ranks(_torch_state_dict_helpers, 2):
         assert warned and restored
+
+
+def _mesh_per_pair(rank, world):
+    """Two jobs of two ranks each, FSDP meshed per pair; rank 3 alone overflows at step 1."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    refused = ""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:  # a world mesh, the scaler over the pair: the ranks sharing gradients would decide apart
+        distamp.fsdp.fully_shard(
+            model, opt, opt_level="O1", mesh=init_device_mesh("cpu", (4,)), process_group=pair
+        )
+    except ValueError as err:
+        refused = str(err)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mesh = DeviceMesh.from_group(pair, "cpu")  # no process_group: the mesh's group decides
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O1", mesh=mesh, verbosity=0)
+    skipped = []
+    for step in range(2):
+        out = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank)))
+        if step == 1 and rank == 3:
+            out.register_hook(lambda g: g.index_fill(1, torch.tensor([2]), float("inf")))
+        with distamp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(distamp.stats(opt).last_step_skipped)
+    return refused, skipped, distamp.stats(opt).loss_scales
+
+
+def test_a_mesh_decides_over_its_own_ranks_and_one_unlike_the_group_is_refused():
+    """FSDP shares gradients over the mesh, the scaler decided over the process group without
+    checking they match (an audit: a world mesh with a group per pair, and rank 3's inf made
+    ranks 2-3 skip while 0-1 stepped inside one FSDP job, its shards half-updated and the loss
+    scales parted). A mismatch is refused; a mesh per pair alone decides per pair."""
+    results = run_ranks(_mesh_per_pair, 4, timeout=120)
+    for refused, _, _ in results:
+        assert "expected the mesh and the process group to span the same ranks" in refused
+        assert "mesh ranks [0, 1, 2, 3]" in refused
+    assert [r[1] for r in results] == [[False, False]] * 2 + [[False, True]] * 2
+    assert results[0][2] == results[1][2] and results[2][2] == results[3][2]
+    assert results[2][2][0] == results[0][2][0] / 2

@@ -76,6 +76,7 @@ def _train(
     sgd: bool = False,
     overlap: bool = False,
     weight_norm: bool = False,
+    late_hook: bool = False,
 ) -> dict:
     torch.manual_seed(0)
     model = Net()
@@ -91,6 +92,11 @@ def _train(
     )
     ddp = DDP(model, bucket_cap_mb=bucket_mb, find_unused_parameters=True)
     state = distamp.hooks.register(ddp, opt, reduce_scatter=sharded, overlap_gather=overlap)
+    seen: list[float] = []
+    if late_hook:  # a logger's pre-hook, put first among the head's after register
+        model.head.register_forward_pre_hook(
+            lambda m, args: seen.append(m.weight.detach().double().sum().item()), prepend=True
+        )
     losses = []
     for step in range(steps):
         for m in range(micro):
@@ -123,6 +129,7 @@ def _train(
         ]
         if weight_norm
         else [],
+        "seen": seen,
     }
 
 
@@ -243,6 +250,18 @@ def test_the_overlapped_gather_is_waited_for_before_the_modules_own_pre_hooks(sh
         assert r["overlap"]["first_pre_hooks"] == ["_RoundWaiter", "_RoundWaiter"]
         assert r["overlap"]["losses"] == r["rs"]["losses"]
         assert _max_diff(r["overlap"]["weights"], r["rs"]["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("shard_block", [16], indirect=True, ids=["blocks-16"])
+def test_a_pre_hook_prepended_after_register_still_sees_the_gathered_weights(shard_block):
+    """A forward pre-hook registered with prepend=True after hooks.register went in front of
+    distamp's wait and read the weights of before the step (an audit: off by the whole update,
+    silently). Each wait is put first again when a step leaves its gather in flight."""
+    out = run_ranks(_overlapped, 2, {"steps": 4, "late_hook": True})
+    for r in out:
+        assert len(r["overlap"]["seen"]) == 4
+        assert r["overlap"]["seen"] == r["rs"]["seen"]
+        assert r["overlap"]["losses"] == r["rs"]["losses"]
 
 
 def _group_added_later(rank: int, world: int, overlap: bool) -> dict:

@@ -54,6 +54,7 @@ class WeightGather:
     update_dtype: torch.dtype | None
     pending_updates: bool
     watched_groups: int
+    waiters: list[Any]
     pending: list[list[Any]]
     waited: list[int]
     staging: torch.Tensor | None
@@ -186,6 +187,13 @@ class WeightGather:
             self.finish_gather()
             return
         self.left_in_flight = True
+        # A forward pre-hook registered with prepend=True after hooks.register (a weight logger,
+        # a hook library) went in front of the wait and read the weights of before the step (an
+        # audit): each wait is put first again, once per step (a no-op while it is first).
+        for handle in self.waiters:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks and next(iter(hooks)) != handle.id:
+                hooks.move_to_end(handle.id, last=False)
         for g in range(self.watched_groups, len(self.pending)):
             self.wait_rounds(g, len(self.pending[g]))
 
@@ -250,8 +258,10 @@ class WeightGather:
         the model's half weights are being written: code that reads them other than through a
         module's forward, a module's ``state_dict()``/``load_state_dict()`` or distamp's
         checkpoints (a weight norm logged right after ``step()``, a weight used by another
-        module's forward than its own) must call the hook state's ``finish_gather()`` first —
-        which is why it is opt-in.
+        module's forward than its own, a global forward pre-hook — torch runs those before any
+        module's own) must call the hook state's ``finish_gather()`` first — which is why it
+        is opt-in. Each wait runs first among its module's forward pre-hooks, also those
+        registered later with ``prepend=True``.
         """
         where = self.flat_positions()
         handles = []
@@ -288,7 +298,9 @@ class WeightGather:
                 # compute the weight in one registered before wrap, and read half-gathered
                 # weights when this wait ran after them (a race, found by an audit).
                 waiter = _outside_compile(_RoundWaiter)(self, needed)
-                handles.append(sub.register_forward_pre_hook(waiter, prepend=True))
+                handle = sub.register_forward_pre_hook(waiter, prepend=True)
+                handles.append(handle)
+                self.waiters.append(handle)
             # Its own state_dict (``model.blocks[0].state_dict()``) reads whole weights too.
             own = any(p is not None and id(p) in where for p in sub._parameters.values())
             if sub is not module and (needed or own):

@@ -106,6 +106,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.left_in_flight = False
         """A step's gather was left to land during the next forward (see
         :meth:`_reattach_copies`)."""
+        self.waiters: list[Any] = []
+        """The handles of the forward pre-hooks that wait for the gather (see
+        :meth:`~distamp.masters.gather.WeightGather.end_gather`)."""
         self.copied_in_flight: set[int] = set()
         """ids of the weights found replaced (``.data = ...``) when such a gather was finished:
         taken while it was in flight, they are refused (see :meth:`_reattach_copies`)."""

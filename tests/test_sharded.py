@@ -363,3 +363,43 @@ def test_sparse_embedding_gradients_pass_the_gradient_comparison():
     a, b = run_ranks(_sparse_embedding, 2)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def _state_by_model_param(rank, world, shard):
+    model = Odd()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    ddp = DDP(model)
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 10 + rank))
+        with distamp.scale_loss(ddp(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    weight = model.fc1.weight
+    found: dict = {"in": weight in opt.state, "get": opt.state.get(weight) is not None}
+    try:
+        state = opt.state[weight]  # a torch user's exp_avg logging
+        found["keys"] = sorted(state)
+        found["exp_avg"] = state["exp_avg"].dtype, tuple(state["exp_avg"].shape)
+    except KeyError as err:
+        found["error"] = str(err)
+    found["state_dict"] = sorted(opt.state_dict()["state"])  # not poisoned by the lookup
+    return found
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_optimizer_state_read_by_a_model_parameter(shard):
+    """``optimizer.state[p]["exp_avg"]`` for ``p`` in ``model.parameters()``: under O2 the state
+    is the masters', so torch's defaultdict handed back ``{}`` and kept it under the half
+    parameter, and the next ``optimizer.state_dict()`` died on a bare ``KeyError: <id>`` (an
+    audit). Replicated masters answer for their parameter; sharded ones say where it is."""
+    for found in run_ranks(_state_by_model_param, 2, shard, timeout=90):
+        assert found["state_dict"] and all(isinstance(k, int) for k in found["state_dict"])
+        if shard:
+            assert not found["in"] and not found["get"]
+            assert "optimizer.state['fc1.weight']: with sharded FP32 masters" in found["error"]
+        else:
+            assert found["in"] and found["get"]
+            assert found["keys"] == ["exp_avg", "exp_avg_sq", "step"]
+            assert found["exp_avg"] == (torch.float32, (13, 6))

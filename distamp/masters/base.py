@@ -62,6 +62,7 @@ class MasterWeights(Protocol):
     def load_value(
         self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
     ) -> None: ...
+    def state_key(self, key: torch.Tensor, names: dict[int, str]) -> torch.Tensor: ...
 
 
 class ModelGrads:
@@ -78,6 +79,12 @@ class ModelGrads:
     blocks_open = 0
     """``scale_loss`` blocks of this optimizer open now: a backward outside them is a framework's
     (see [Note: a backward distamp does not see] in hooks/zero.py)."""
+
+    def state_key(self, key: torch.Tensor, names: dict[int, str]) -> torch.Tensor:
+        """The optimizer-state key a lookup by ``key`` stands for (see [Note: optimizer.state
+        read by a model parameter] in optimizer.py): ``key`` itself here (FSDP's parameters
+        are their own masters)."""
+        return key
 
     def release_master_grads(self) -> None:
         raise NotImplementedError

@@ -20,6 +20,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -164,10 +165,69 @@ class AmpOptimizerState:
         self.masters.release_master_grads()
 
 
+class _MasterKeyedState(defaultdict):
+    """``optimizer.state`` of a wrapped optimizer: torch's ``defaultdict(dict)`` keyed by what
+    ``param_groups`` hold, read by a model parameter too.
+
+    [Note: optimizer.state read by a model parameter] With FP32 masters the state is keyed by
+    the masters, and a script logging ``optimizer.state[p]["exp_avg"]`` for ``p`` in
+    ``model.parameters()`` (as it does under torch) got an empty dict that the defaultdict
+    kept under the model's half parameter: the next ``optimizer.state_dict()`` failed with a bare
+    ``KeyError: <an id>`` far from the lookup (an audit). Replicated masters answer for their
+    model parameter (``[]``, ``in``, ``get``); sharded ones hold a flat shard per group, so a
+    model parameter's lookup raises, naming it and where its state is.
+    """
+
+    def __init__(self, held: dict[Any, Any], optimizer: AmpOptimizer) -> None:
+        super().__init__(dict, held)
+        self.optimizer = weakref.ref(optimizer)
+
+    def __reduce__(self) -> Any:  # a copy is torch's plain defaultdict
+        return (defaultdict, (dict,), None, None, iter(self.items()))
+
+    def _key(self, key: Any) -> Any:
+        """The key ``key`` stands for: its FP32 master, itself, or a KeyError (sharded)."""
+        opt = self.optimizer()
+        if opt is None or not isinstance(key, torch.Tensor):
+            return key
+        return opt._distamp.masters.state_key(key, opt._distamp.group.param_names)
+
+    def __missing__(self, key: Any) -> Any:
+        master = self._key(key)
+        if master is key:
+            return super().__missing__(key)
+        return self[master]
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            return super().__contains__(self._key(key))
+        except KeyError:
+            return False
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return super().get(self._key(key), default)
+        except KeyError:
+            return default
+
+
 class AmpOptimizer(torch.optim.Optimizer):
     """Mixin placed in front of the user's optimizer class; see [Note: the optimizer keeps its identity]."""
 
     _distamp: AmpOptimizerState
+
+    @property
+    def state(self) -> Any:
+        """See [Note: optimizer.state read by a model parameter]; torch's ``load_state_dict``
+        puts a plain defaultdict back, taken over at the next read."""
+        held = self.__dict__["state"]
+        if type(held) is not _MasterKeyedState:
+            held = self.__dict__["state"] = _MasterKeyedState(held, self)
+        return held
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.__dict__["state"] = value
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Unscale, take the global skip decision, step the FP32 masters, refresh the model weights.

@@ -213,6 +213,11 @@ class MasterParams(ModelGrads):
             self._position = cached
         return cached
 
+    def state_key(self, key: torch.Tensor, names: dict[int, str]) -> torch.Tensor:
+        """A model parameter's FP32 master, whose state the optimizer keeps."""
+        index = self._index().get(id(key))
+        return self.masters[index] if index is not None and self.separate[index] else key
+
     def separate_params(self) -> list[nn.Parameter]:
         return [p for p, s in zip(self.model_params, self.separate, strict=True) if s]
 

@@ -453,6 +453,19 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             for r in layout.ranges
         }
 
+    def state_key(self, key: torch.Tensor, names: dict[int, str]) -> torch.Tensor:
+        """A model parameter has no state of its own here: a KeyError saying where it is."""
+        if id(key) not in self.flat_positions():
+            return key
+        raise KeyError(
+            f"optimizer.state[{names.get(id(key), 'a model parameter')!r}]: with sharded FP32 "
+            f"masters the optimizer state is kept per param group, for this rank's flat shard "
+            f"(the tensors in optimizer.param_groups[i]['params']), not per model parameter; "
+            f"expected one of those as the key (optimizer.state_dict() names the slices; "
+            f"distamp.save_checkpoint + `python -m distamp.checkpoint consolidate` gives the "
+            f"state by parameter name)"
+        )
+
     def armed_grad_buffer(self) -> torch.Tensor:
         """The persistent FP32 buffer that holds every group's shard gradient (made once, grown
         when a group is added: the groups already there keep their offsets and what the hook

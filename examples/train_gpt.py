@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distamp
+from distamp.checkpoint.files import COMMIT, is_temporary
 
 WARMUP_STEPS_EXCLUDED = 3
 """Steps left out of the timing statistics (allocator, thread pools and DDP buckets warm up)."""
@@ -60,6 +65,9 @@ class GPTConfig:
     n_embd: int = 128
     """Width of the residual stream."""
 
+
+RUN_LOCK = ".distamp-run.lock"
+"""Held by rank 0 in --ckpt-dir and --run-dir while a run uses them (see hold_run_dirs)."""
 
 SIZES: dict[str, dict[str, int]] = {
     "micro": dict(n_layer=5, n_embd=32, n_head=4),  # ~70K: bench's 64 parameters, tiny ones
@@ -376,7 +384,8 @@ def check_resume(parser: argparse.ArgumentParser, resume: str) -> None:
 def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--ckpt-dir") -> None:
     """--ckpt-dir (and --run-dir) must be a directory this process can write (made if missing),
     checked before training: an audit found a file or a read-only path refused only at the first
-    save, after every step had run (--run-dir: a traceback after the model was built)."""
+    save, after every step had run (--run-dir: a traceback after the model was built). It is made
+    and a file written in it: as root, os.access said yes to /proc/x (an audit)."""
     where = path
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -384,6 +393,84 @@ def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--c
         parser.error(f"{flag} {path}: expected a directory, found a file at {where}")
     if not os.access(where, os.W_OK | os.X_OK):
         parser.error(f"{flag} {path}: expected a writable directory, {where} is not writable")
+    made = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        parser.error(f"{flag} {path}: expected a writable directory, found {err}")
+    finally:  # a check leaves nothing behind: the run makes them
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    if flag == "--ckpt-dir":
+        check_uncommitted(parser, path)
+
+
+def check_uncommitted(parser: argparse.ArgumentParser, path: Path) -> None:
+    """A step_N folder in --ckpt-dir that is not a committed checkpoint (a copy cut short, one
+    made by hand) was refused by save_checkpoint at step N, after training up to it, and under
+    torchrun's restarts again on every attempt, which resume from before it (an audit)."""
+    stray = sorted(
+        child.name
+        for child in path.glob("step_*")
+        if not is_temporary(child.name)
+        and not (child / COMMIT).is_file()
+        and (not child.is_dir() or any(child.iterdir()))
+    )
+    if stray:
+        parser.error(
+            f"--ckpt-dir {path}: expected each step_* in it to be a committed distamp checkpoint "
+            f"(this run saves into step_NNNNNN folders), found {stray[:3]} without a {COMMIT} "
+            "file (a copy cut short?): move or delete them, or use another --ckpt-dir"
+        )
+
+
+def hold_run_dirs(args: argparse.Namespace, rank: int, device: torch.device) -> list[Any]:
+    """Collective: rank 0 locks --ckpt-dir and --run-dir for the run (``flock``, released when
+    the process ends, killed too); all ranks stop if another run holds one.
+
+    Two runs pointed at one folder both ran to "done": each pruned the other's checkpoints
+    (--keep), committed over the same step_N, and the second emptied metrics.jsonl while the
+    first appended to it (an audit). Returns the open lock files (keep them)."""
+    held: list[Any] = []
+    refusal = ""
+    if rank == 0:
+        folders = {args.run_dir: "--run-dir", args.ckpt_dir: "--ckpt-dir"}  # one lock per path
+        seen: set[Path] = set()
+        for folder, flag in folders.items():
+            if folder is None or Path(folder).resolve() in seen:
+                continue
+            seen.add(Path(folder).resolve())
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            lock = open(Path(folder) / RUN_LOCK, "a+")  # held open for the run
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                other = lock.read().strip() or "another process"
+                lock.close()
+                refusal = (
+                    f"{flag} {folder}: expected no other run using it, found {other} holding "
+                    f"{Path(folder) / RUN_LOCK} (two runs in one folder overwrite each other's "
+                    "checkpoints and metrics): wait for it, or use another folder"
+                )
+                break
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            lock.flush()
+            held.append(lock)
+    if dist.is_initialized():
+        flag_tensor = torch.tensor([1 if refusal else 0], device=device)
+        dist.all_reduce(flag_tensor)
+        if flag_tensor.item() and not refusal:
+            raise SystemExit(2)  # rank 0 says why
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return held
 
 
 def add_progress_arguments(
@@ -923,6 +1010,7 @@ def main() -> int:
         return 0
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0
+    args.locks = hold_run_dirs(args, rank, device)
     world_size = dist.get_world_size() if backend else 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)

@@ -37,6 +37,7 @@ from train_gpt import (
     continue_schedule,
     diverged,
     fp16_adam_eps,
+    hold_run_dirs,
     job_has_bf16,
     leave_without_destructors,
     load_stdlib_bytes,
@@ -108,6 +109,7 @@ def main() -> int:
         raise SystemExit("run under torchrun: FSDP needs a process group")
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
+    args.locks = hold_run_dirs(args, rank, device)
     resume = args.resume if args.resume not in ("auto", "none") else None
     if args.resume == "auto" and args.ckpt_dir is not None:
         resume = distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one, or None

@@ -10,6 +10,15 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
     bash scripts/setup.sh
 fi
 PY=${PYTHON:-python3}
+# Before anything starts torch: libgomp printed its own complaint about OMP_NUM_THREADS=0 first.
+if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "OMP_NUM_THREADS: expected a whole number of threads per rank >= 1, got '$OMP_NUM_THREADS'" >&2
+    exit 2
+fi
+if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    echo "--nproc / NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
+    exit 2
+fi
 if ! "$PY" -c 'import torch' 2>/dev/null; then  # a bare traceback said neither which Python nor why
     echo "launch: expected torch importable by $PY ($(command -v "$PY" || echo 'not found')), found none:" \
         "run scripts/setup.sh (unset SKIP_SETUP), or set PYTHON to the environment's Python" >&2
@@ -18,15 +27,8 @@ fi
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [[ -z "${NPROC:-}" ]]; then
     NPROC=$(( GPUS > 0 ? GPUS : 2 ))
-elif [[ ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-    echo "--nproc / NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
-    exit 2
 fi
 CORES=$(nproc)
-if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]]; then
-    echo "OMP_NUM_THREADS: expected a whole number of threads per rank >= 1, got '$OMP_NUM_THREADS'" >&2
-    exit 2
-fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > NPROC ? CORES / NPROC : 1 ))}
 # The ranks' way to tell that torchrun's agent is gone (examples/train_gpt.py,
 # leave_with_the_launcher): every launch script execs torchrun, so this shell's pid is the

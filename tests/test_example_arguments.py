@@ -1,6 +1,7 @@
 """The example refuses contradictory or out-of-range flags by name, before any process group
 (an audit's list: these used to fail deep inside torch, or were silently ignored)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -95,3 +96,49 @@ def test_check_args_refuses_a_bad_value_and_passes_a_good_one_without_a_process_
     assert bad.returncode == 2 and "--clip" in bad.stderr and "nan" in bad.stderr, bad.stderr
     good = check("--steps", "3")
     assert good.returncode == 0 and not good.stdout, good.stdout + good.stderr
+
+
+def test_a_ckpt_dir_that_cannot_be_made_is_refused_and_a_check_leaves_nothing(tmp_path, capsys):
+    """As root, os.access said /proc/x was writable: the run trained, then failed at its first
+    save (an audit). The folder is made and written in, then removed again."""
+    with pytest.raises(SystemExit):
+        parse_args(["--ckpt-dir", "/proc/distamp-ckpt"])
+    assert "--ckpt-dir /proc/distamp-ckpt: expected a writable directory" in capsys.readouterr().err
+    parse_args(["--ckpt-dir", str(tmp_path / "a" / "b"), "--run-dir", "none"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_uncommitted_step_folder_in_ckpt_dir_is_refused_before_training(tmp_path, capsys):
+    """save_checkpoint refused it at step 3, after training up to it, and torchrun's restarts
+    trained up to it again each time (an audit)."""
+    (tmp_path / "step_000003").mkdir()
+    (tmp_path / "step_000003" / "__0_0.distcp").write_bytes(b"cut short")
+    (tmp_path / "step_000006").mkdir()  # empty: save_checkpoint takes it
+    (tmp_path / "step_000009.incomplete-host-1-2").mkdir()  # a killed save's: cleaned at save
+    with pytest.raises(SystemExit):
+        parse_args(["--ckpt-dir", str(tmp_path), "--run-dir", "none"])
+    err = capsys.readouterr().err
+    assert "found ['step_000003'] without a COMMIT file" in err
+
+
+def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path, capsys):
+    """Two runs in one --ckpt-dir/--run-dir both ran to "done", pruning and overwriting each
+    other's checkpoints and interleaving metrics.jsonl (an audit). Rank 0 holds a lock."""
+    import argparse
+
+    import torch
+    from train_gpt import hold_run_dirs
+
+    args = argparse.Namespace(ckpt_dir=tmp_path, run_dir=tmp_path)  # one folder for both
+    first = hold_run_dirs(args, 0, torch.device("cpu"))
+    assert len(first) == 1
+    with pytest.raises(SystemExit) as stopped:
+        hold_run_dirs(argparse.Namespace(ckpt_dir=None, run_dir=tmp_path), 0, torch.device("cpu"))
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--run-dir {tmp_path}: expected no other run using it, found pid {os.getpid()}" in err
+    for lock in first:
+        lock.close()
+    again = hold_run_dirs(args, 0, torch.device("cpu"))  # released with its file
+    assert len(again) == 1
+    again[0].close()

@@ -338,12 +338,12 @@ def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_p
     ckpt = tmp_path / "ckpt"
     base = [sys.executable, str(SCRIPT), *TINY, "--run-dir", "none", "--ckpt-dir", str(ckpt)]
     run([*base, "--steps", "4", "--save-every", "2", "--keep", "1"], tmp_path)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004"]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000004"]
     out = run(
         [*base, "--steps", "3", "--save-every", "3", "--keep", "1", "--resume", "none"], tmp_path
     )
     assert "holds 1 checkpoint(s) of an earlier run up to step 4" in out, out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000003", "step_000004"]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000003", "step_000004"]
     # a damaged newest checkpoint: resume skips it, and the next save prunes around it
     shard = next((ckpt / "step_000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8])
@@ -351,11 +351,15 @@ def test_keep_prunes_only_this_runs_intact_checkpoints_never_the_fresh_one(tmp_p
         [*base, "--steps", "5", "--save-every", "5", "--keep", "1", "--resume", "auto"], tmp_path
     )
     assert "(step 3)" in out, out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005"]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000004", "step_000005"]
     # a fresh run in the same folder never prunes the earlier run's checkpoints (an audit: its
     # --keep deleted an earlier run's lower step, as its own note promised it would not)
     run([*base, "--steps", "6", "--save-every", "6", "--keep", "1", "--resume", "none"], tmp_path)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000004", "step_000005", "step_000006"]
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [
+        "step_000004",
+        "step_000005",
+        "step_000006",
+    ]
 
 
 def test_a_run_whose_final_loss_is_not_finite_exits_non_zero_and_says_why(tmp_path):

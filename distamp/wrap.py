@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import operator
 import warnings
 import weakref
@@ -921,12 +922,17 @@ def clip_grad_norm_(
     optimizer: torch.optim.Optimizer,
     max_norm: float,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the unscaled gradients the optimizer will step to a global norm of ``max_norm``.
 
     Unscales first when :func:`unscale_` was not called. Returns the total norm before clipping
     (inf/NaN when the step will be skipped; nothing is clipped then). With replicated masters the
     reduced gradients are identical on every rank, so the norm needs no collective.
+    ``error_if_nonfinite`` and ``foreach`` are torch's (a torch habit passed them and got a
+    TypeError): ``error_if_nonfinite=True`` raises on a non-finite norm, whose step would be
+    skipped; ``foreach`` changes nothing (distamp's clipping uses its own fused kernels).
     """
     _refuse_a_list(optimizer, "clip_grad_norm_")
     states, disabled = _states(optimizer, "clip_grad_norm_")
@@ -934,7 +940,9 @@ def clip_grad_norm_(
         params = [
             p for g in (inner_optimizer(optimizer) or optimizer).param_groups for p in g["params"]
         ]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        )
     (st,) = states
     if (
         isinstance(max_norm, bool)
@@ -953,12 +961,24 @@ def clip_grad_norm_(
             "optimizer since the last step()" + _after_framework_backward(st)
         )
     if st.overflow:
+        _nonfinite_norm(error_if_nonfinite, float("inf"), norm_type)
         return torch.tensor(float("inf"))
     st.masters.take_modified_model_grads()
     total = st.masters.clip_(max_norm, norm_type)
+    _nonfinite_norm(error_if_nonfinite, float(total), norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
         st.record_shard_grads()
     return total
+
+
+def _nonfinite_norm(error_if_nonfinite: bool, total: float, norm_type: float) -> None:
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: expected a finite total norm (error_if_nonfinite=True), found "
+            f"{total} (order {norm_type}): the gradients overflowed, and optimizer.step() "
+            "skips this step and lowers the loss scale; under a dynamic loss scale an overflow "
+            "is expected now and then: leave error_if_nonfinite=False (torch's default)"
+        )
 
 
 def stats(optimizer: torch.optim.Optimizer) -> AmpStats:

@@ -292,3 +292,30 @@ def test_a_gradient_made_non_finite_after_unscale_skips_the_step_on_every_rank(
         assert ("a NaN" if who == "every rank" else "an inf") in seen[1][2]
         assert torch.isfinite(weights).all()
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_clip_grad_norm_takes_torchs_error_if_nonfinite_and_foreach(level):
+    """torch's keywords gave a TypeError (an audit): foreach changes nothing, and
+    error_if_nonfinite=True raises on an overflowed step's norm, as torch's clip does."""
+    norms = []
+    for foreach in (None, True):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+        x, y = data(1, 8)[0]
+        with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        norms.append(
+            distamp.clip_grad_norm_(opt, 0.1, 2.0, error_if_nonfinite=True, foreach=foreach)
+        )
+        opt.step()
+        opt.zero_grad()
+    assert torch.isfinite(norms[0]) and torch.equal(norms[0], norms[1])
+    with distamp.scale_loss(F.mse_loss(model(x).float(), y) * 1e38, opt) as scaled:
+        scaled.backward()  # overflows at the 2**16 scale
+    with pytest.raises(RuntimeError, match=r"expected a finite total norm.*found inf"):
+        distamp.clip_grad_norm_(opt, 0.1, error_if_nonfinite=True)
+    assert torch.isinf(distamp.clip_grad_norm_(opt, 0.1))  # the default: no error
+    opt.step()
+    assert distamp.stats(opt).last_step_skipped

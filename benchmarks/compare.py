@@ -20,8 +20,9 @@ Every configuration trains examples/train_gpt.py's GPT on the same data for the 
 ``--world`` ranks (gloo on CPU, NCCL on GPUs), each in its own spawned world so its peak RSS is its
 own; rounds alternate the order of the configurations so machine drift favours none. The table:
 median step time and its spread, speed-up over FP32 DDP, tokens/s, achieved FLOP/s (6 x params x
-tokens) as a fraction of the bf16 matmul peak measured in the same run, peak RSS and optimizer
-state (+ FP32 masters) per rank, the gradients' volume at the wire dtype ("grad MB on wire/step":
+tokens) as a fraction of the compute dtype's matmul peak measured in the same run (on the CPU at
+the ranks' ``--threads``), peak RSS and optimizer state (+ FP32 masters beside 16-bit weights) per
+rank, the gradients' volume at the wire dtype ("grad MB on wire/step":
 parameters x bytes of the dtype the row reduces in; not the bytes each rank sends, which depend on
 the collective: a ring all-reduce sends 2 (N-1)/N of it, ``--phases`` measures what was sent),
 first and final loss. The floor is ``max(compute floor, wire floor)``: the compute floor is the
@@ -84,7 +85,7 @@ BF16_CONFIGS = [
     "FP32 DDP",
     "torch.autocast + DDP",
     "torch.autocast + DDP + torch fp16_compress_hook",
-    "torch.autocast + ZeroRedundancyOptimizer",
+    "torch.autocast + ZeroRedundancyOptimizer + torch fp16_compress_hook",
     "FSDP2 MixedPrecisionPolicy",
     "DeepSpeed ZeRO-1 bf16",
     "distamp O1 + hook",
@@ -99,7 +100,7 @@ BF16_CONFIGS = [
 FP32_CONFIGS = [
     "FP32 DDP",
     "DDP + torch fp16_compress_hook",
-    "ZeroRedundancyOptimizer",
+    "ZeroRedundancyOptimizer + torch fp16_compress_hook",
     "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)",
     "DeepSpeed ZeRO-1 bf16 communication",
     "distamp O0 + hook",
@@ -115,6 +116,13 @@ WIRE_CONFIGS = [
 """On the emulated cluster: the gradient bytes of a 16-bit row moved by gloo with nothing else
 running, as DDP's hooks move them or as distamp's sharded path does (see :func:`wire_alone`)."""
 CONFIGS = list(dict.fromkeys(BF16_CONFIGS + FP32_CONFIGS + WIRE_CONFIGS))
+RENAMED = {
+    "ZeroRedundancyOptimizer": "ZeroRedundancyOptimizer + torch fp16_compress_hook",
+    "torch.autocast + ZeroRedundancyOptimizer": (
+        "torch.autocast + ZeroRedundancyOptimizer + torch fp16_compress_hook"
+    ),
+}
+"""Rows renamed (an audit: ZeRO was the only peer on an FP32 wire), for ``--only``'s refusal."""
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -123,8 +131,11 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def _held(opt: Any) -> int:
-    """Bytes of optimizer state (and distamp's FP32 masters) this rank holds."""
+def _held(opt: Any, fsdp_masters: bool = False) -> int:
+    """Bytes of optimizer state (and FP32 masters) this rank holds. ``fsdp_masters``: FSDP2's
+    sharded FP32 parameters are masters, an FP32 copy beside the 16-bit weights it computes with
+    (its MixedPrecisionPolicy has a param_dtype); without one they are the model's weights, not
+    counted, as the DDP and ZeRO rows' FP32 weights are not (an audit: they were counted)."""
     if opt is None:  # a "wire alone" row
         return 0
     if isinstance(opt, distamp.masters.optimizer.AmpOptimizer):
@@ -137,8 +148,8 @@ def _held(opt: Any) -> int:
     if inner is not opt and hasattr(opt, "optimizer"):
         for group in inner.param_groups:
             total += sum(p.numel() * p.element_size() for p in group["params"])
-    # FSDP2's sharded FP32 parameters are its masters (the only FP32 copy of the weights).
-    for group in inner.param_groups if inner is opt else ():
+    # FSDP2's sharded FP32 parameters, where it computes with 16-bit copies of them.
+    for group in inner.param_groups if inner is opt and fsdp_masters else ():
         for p in group["params"]:
             if hasattr(p, "to_local") and p.dtype == torch.float32:
                 local = p.to_local()
@@ -155,8 +166,9 @@ def setup(
     config: str, model: nn.Module, opts: dict[str, Any], device: torch.device, world: int, rank: int
 ):
     """(step function, optimizer, bytes per gradient element at the wire dtype: 4 FP32, 2 a 16-bit
-    reduction, 0 none). Every row builds the same AdamW (``--adamw``: torch's default
-    implementation, foreach or fused) and every DDP row the same buckets (``--bucket-mb``)."""
+    reduction, 0 none, whether the optimizer's FSDP2 parameters are FP32 masters: see
+    :func:`_held`). Every row builds the same AdamW (``--adamw``: torch's default implementation,
+    foreach or fused) and every DDP row (and DeepSpeed) the same buckets (``--bucket-mb``)."""
     lr = opts["lr"]
     impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[opts["adamw"]]
     adamw = functools.partial(torch.optim.AdamW, lr=lr, **impl)
@@ -165,7 +177,12 @@ def setup(
     dtype = torch.bfloat16
     autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
 
-    def plain_step(train: nn.Module, opt: torch.optim.Optimizer, cast: bool) -> Step:
+    def plain_step(
+        train: nn.Module, opt: torch.optim.Optimizer, cast: bool, every_grad: bool = False
+    ) -> Step:
+        """``every_grad``: clear the gradients of every parameter of ``train``, not only those of
+        ``opt`` (the floor's, which steps 1/N of them: an audit found the rest accumulating)."""
+
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             if cast:
                 with autocast():
@@ -175,7 +192,10 @@ def setup(
             loss = _loss(logits, y)
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            if every_grad:
+                train.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad(set_to_none=True)
             return loss.detach()
 
         return step
@@ -196,22 +216,26 @@ def setup(
     base = config.removeprefix("torch.autocast + ")
     if base in ("FP32 DDP", "DDP"):
         opt = adamw(model.parameters())
-        return plain_step(ddp_of(model), opt, cast), opt, 4
+        return plain_step(ddp_of(model), opt, cast), opt, 4, False
     if base == "DDP + torch fp16_compress_hook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp = ddp_of(model)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = adamw(model.parameters())
-        return plain_step(ddp, opt, cast), opt, 2
-    if base == "ZeroRedundancyOptimizer":
+        return plain_step(ddp, opt, cast), opt, 2, False
+    if base == "ZeroRedundancyOptimizer + torch fp16_compress_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        # The 16-bit wire every other peer uses (an audit: ZeRO's all-reduce was FP32), the same
+        # hook as the DDP + fp16_compress_hook row.
         ddp = ddp_of(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         opt = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr, **impl
         )
-        return plain_step(ddp, opt, cast), opt, 4
+        return plain_step(ddp, opt, cast), opt, 2, False
     if base.startswith("FSDP2 MixedPrecisionPolicy"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -223,7 +247,8 @@ def setup(
         root = MixedPrecisionPolicy(param_dtype, dtype, torch.float32 if param_dtype else None)
         fully_shard(model, mp_policy=root)
         opt = adamw(model.parameters())
-        return plain_step(model, opt, False), opt, 2
+        # With a param_dtype its FP32 shards are masters beside the bf16 compute weights.
+        return plain_step(model, opt, False), opt, 2, param_dtype is not None
     if config.startswith("DeepSpeed"):
         import deepspeed  # an optional extra: '.[bench]'
 
@@ -231,17 +256,10 @@ def setup(
         for key, value in (("LOCAL_RANK", rank), ("RANK", rank), ("WORLD_SIZE", world)):
             os.environ.setdefault(key, str(value))
 
-        # ZeRO stage 1 on gloo: bf16 weights and compute where bf16 is fast ("ZeRO-1 bf16"),
-        # else FP32 compute with its 16-bit communication option (communication_data_type).
-        ds_config = {
-            "train_micro_batch_size_per_gpu": opts["batch"],
-            "zero_optimization": {"stage": 1},
-            "communication_data_type": "bf16",
-            "bf16": {"enabled": config == "DeepSpeed ZeRO-1 bf16"},
-            "steps_per_print": 2**31,
-        }
         opt = adamw(model.parameters())
-        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, config=deepspeed_config(config, opts)
+        )
 
         def ds_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = _loss(engine(x), y)
@@ -249,7 +267,7 @@ def setup(
             engine.step()
             return loss.detach()
 
-        return ds_step, opt, 2
+        return ds_step, opt, 2, False
     if config.startswith("distamp O2 FSDP2"):
         # distamp's ZeRO-3: FSDP2 with the opt_level as its policy (the transformer blocks and
         # each FP32 norm layer its own unit), distamp's scaler and global skip.
@@ -257,7 +275,7 @@ def setup(
         model, opt = distamp.fsdp.fully_shard(
             model, opt, opt_level="O2", half_dtype=dtype, verbosity=0
         )
-        return distamp_step(model, opt), opt, 2
+        return distamp_step(model, opt), opt, 2, False
     if config.startswith("distamp"):
         level = config.split()[1]  # "distamp O2 sharded + reduce-scatter hook" -> "O2"
         opt = adamw(model.parameters())
@@ -275,7 +293,7 @@ def setup(
             overlap_gather="overlapped" in config,
             gather_dtype=dtype if "bf16-update gather" in config else None,
         )
-        return distamp_step(ddp, opt), opt, 2
+        return distamp_step(ddp, opt), opt, 2, False
     if config.startswith("wire alone"):
         n_params = sum(p.numel() for p in model.parameters())
         # DDP sizes its buckets in the gradients' dtype: FP32 where the compute is (O0, autocast
@@ -283,13 +301,40 @@ def setup(
         # many messages, twice as large)
         grad_bytes = 2 if opts["compute"] == "bf16" else 4
         step = wire_alone(config, n_params, opts["bucket_mb"] * 2 / grad_bytes, device, world)
-        return step, None, 2
+        return step, None, 2, False
     if config.startswith("floor"):
         if "pure" in config:
             model.to(dtype)
         opt = adamw(split_by_size(list(model.parameters()), world)[rank])
-        return plain_step(model, opt, "autocast" in config), opt, 0
+        # Every gradient is cleared each step, not only the 1/N this rank steps.
+        return plain_step(model, opt, "autocast" in config, every_grad=True), opt, 0, False
     raise ValueError(f"unknown configuration {config!r}")
+
+
+def deepspeed_config(config: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed rows' configuration: ZeRO stage 1 on gloo, bf16 weights and compute where
+    bf16 is fast ("ZeRO-1 bf16"), else FP32 compute with its 16-bit communication option
+    (communication_data_type). Its buckets are the DDP rows' (an audit: DeepSpeed's default,
+    5e8 elements, put every gradient in one bucket): ``--bucket-mb`` of the gradients in their
+    dtype, as DDP's bucket_cap_mb counts them (bf16 under "ZeRO-1 bf16", else FP32; the
+    bucket holds the gradients before communication_data_type casts them for the wire), so each
+    bucket holds as many gradients as a DDP row's and sends as many bytes as a DDP row with a
+    16-bit hook. The same size for the all-gather of the updated partitions; the reduction
+    overlaps the backward (overlap_comm), as DDP's does."""
+    bf16 = config == "DeepSpeed ZeRO-1 bf16"
+    bucket = int(opts["bucket_mb"] * 2**20) // (2 if bf16 else 4)  # elements
+    return {
+        "train_micro_batch_size_per_gpu": opts["batch"],
+        "zero_optimization": {
+            "stage": 1,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "overlap_comm": True,
+        },
+        "communication_data_type": "bf16",
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**31,
+    }
 
 
 def split_by_size(params: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
@@ -356,6 +401,7 @@ def train(
     opts: dict[str, Any],
     device: torch.device,
     rank: int,
+    fsdp_masters: bool = False,
 ) -> dict[str, Any]:
     """Collective over the world: one row's warm-up and timed steps on this rank; its times,
     losses, peak RSS, the state it holds and, with ``--phases``, its phases."""
@@ -407,7 +453,7 @@ def train(
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "peak_rss": peak_rss(),
-        "held_bytes": _held(opt),
+        "held_bytes": _held(opt, fsdp_masters),
     }
 
 
@@ -445,8 +491,8 @@ def worker(
     n_params = sum(p.numel() for p in model.parameters())
     result: dict[str, Any] = {"config": config, "params": n_params}
     try:
-        step, opt, wire = setup(config, model, opts, device, world, rank)
-        result |= train(step, opt, model, config, opts, device, rank)
+        step, opt, wire, fsdp_masters = setup(config, model, opts, device, world, rank)
+        result |= train(step, opt, model, config, opts, device, rank, fsdp_masters)
         result["wire_bytes"] = wire * n_params
     except ImportError as exc:
         result["skipped"] = f"{type(exc).__name__}: {exc} (pip install -e '.[bench]')"
@@ -697,9 +743,9 @@ def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, Any]) -> 
         if "skipped" in r:
             lines.append(f"| {r['config']} | skipped: {r['skipped']} ||||||||||")
             continue
-        speed = f"{base / r['median_s']:.2f}x" if base else "-"
+        alone = r["config"].startswith("wire alone")  # no tokens, no loss, no speed-up
+        speed = f"{base / r['median_s']:.2f}x" if base and not alone else "-"
         to_floor = f"{r['median_s'] / floor['floor_s']:.2f}x" if floor["floor_s"] else "-"
-        alone = r["config"].startswith("wire alone")  # no tokens, no loss
         loss = "-" if alone else f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}"
         rate = "- | -" if alone else f"{r['tokens_per_s']:.0f} | {r['peak_fraction']:.1%}"
         lines.append(
@@ -718,15 +764,17 @@ def markdown(rows: list[dict[str, Any]], header: str, floor: dict[str, Any]) -> 
     return "\n".join(lines) + "\n"
 
 
-def choose_compute(choice: str, seconds: float) -> tuple[str, str, float]:
-    """("bf16" or "fp32", why, that dtype's matmul GFLOP/s per rank measured now). ``auto`` is
-    the doctor's rule (:func:`distamp.doctor.fastest_compute` over interleaved turns): a half
-    dtype only where it beats FP32. A choice given is honoured on a GPU too (an audit: every
-    --compute ran bf16 there)."""
+def choose_compute(choice: str, seconds: float, threads: int = 1) -> tuple[str, str, float]:
+    """("bf16" or "fp32", why, that dtype's matmul GFLOP/s per rank measured now, on the CPU at
+    ``threads`` threads: the ranks' ``--threads``, so that "of peak" is against the rate a rank
+    can reach; an audit: a one-thread peak under ranks of several threads). ``auto`` is the
+    doctor's rule (:func:`distamp.doctor.fastest_compute` over interleaved turns): a half dtype
+    only where it beats FP32. A choice given is honoured on a GPU too (an audit: every --compute
+    ran bf16 there)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    flops = compare_matmuls((torch.float32, torch.bfloat16), seconds, device)
+    flops = compare_matmuls((torch.float32, torch.bfloat16), seconds, device, threads=threads)
     fp32, bf16 = flops["float32"], flops["bfloat16"]
-    where = "the GPU" if device == "cuda" else "this CPU"
+    where = "the GPU" if device == "cuda" else f"this CPU at {threads} thread(s)"
     measured = f"bf16 matmul {bf16:.1f} GFLOP/s vs FP32 {fp32:.1f} on {where}"
     if choice == "auto":
         choice = "bf16" if fastest_compute(flops) == "bfloat16" else "fp32"
@@ -930,8 +978,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.only = list(dict.fromkeys(args.only))
     unknown = [c for c in args.only or () if c not in CONFIGS]
     if unknown:
-        parser.error(f"--only: unknown configuration(s) {unknown}; expected some of {CONFIGS}")
+        renamed = [f"{c!r} is now {RENAMED[c]!r}" for c in unknown if c in RENAMED]
+        said = f" ({'; '.join(renamed)})" if renamed else ""
+        parser.error(
+            f"--only: unknown configuration(s) {unknown}{said}; expected some of {CONFIGS}"
+        )
+    if args.compute != "auto" and (wrong := other_precision(args.only, args.compute)):
+        parser.error(wrong)
     return args
+
+
+def other_precision(only: list[str] | None, compute: str) -> str | None:
+    """Why ``--only`` names rows of the other compute precision than ``compute`` ("bf16" or
+    "fp32"), or None: they don't (an audit: --compute fp32 ran a bf16 row under a header saying
+    fp32). The wire-alone rows (no compute) fit either."""
+    rows = BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS
+    wrong = [c for c in only or () if c not in rows and c not in WIRE_CONFIGS]
+    if not wrong:
+        return None
+    return (
+        f"--only: {wrong} compute in the other precision than {compute} (--compute); the rows "
+        f"for {compute} compute are {rows + WIRE_CONFIGS}"
+    )
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -955,7 +1023,10 @@ def main() -> int:
             signal.signal(sig, _exit_on_signal)
     link_bits = rate_bits_per_s(args.link) if args.nodes else None
     torch.set_num_threads(args.threads)
-    compute, why, peak = choose_compute(args.compute, 0.2 if args.quick else 1.0)
+    compute, why, peak = choose_compute(args.compute, 0.2 if args.quick else 1.0, args.threads)
+    if args.compute == "auto" and (wrong := other_precision(args.only, compute)):
+        print(f"compare.py: error: {wrong} (chosen by --compute auto: {why})", file=sys.stderr)
+        return 2
     configs = args.only or [
         *(BF16_CONFIGS if compute == "bf16" else FP32_CONFIGS),
         *(WIRE_CONFIGS if args.nodes else []),

@@ -1,7 +1,8 @@
 """Where each configuration's peak RSS goes: one table, the rows of benchmarks/compare.py.
 
     python benchmarks/memory.py                       # W2 model, 2 ranks, the FP32-compute rows
-    python benchmarks/memory.py --only "ZeroRedundancyOptimizer" "distamp O0 + hook"
+    python benchmarks/memory.py --only "ZeroRedundancyOptimizer + torch fp16_compress_hook" \\
+        "distamp O0 + hook"
 
 Each configuration runs in its own spawned world (loopback, gloo), built by compare.py's own
 ``setup`` (same model, data, AdamW, DDP buckets), for ``--steps`` steps. Per rank 0 the table
@@ -73,11 +74,9 @@ def _accounting(model: torch.nn.Module, opt: Any) -> dict[str, float]:
     out = {
         "weights": _bytes(p.data for p in params),
         "gradients": _bytes(p.grad for p in params if p.grad is not None),
+        # FSDP2: its FP32 shards are the weights here, not counted by compare._held as masters.
         "optimizer state": compare._held(opt),
     }
-    if any(hasattr(p, "to_local") for p in params):
-        # FSDP2: its FP32 shards are the weights here; compare._held counted them as masters too.
-        out["optimizer state"] -= out["weights"]
     masters = getattr(getattr(opt, "_distamp", None), "masters", None)
     if isinstance(masters, ShardedMasterParams):
         out["optimizer state"] -= masters.master_bytes()
@@ -110,7 +109,7 @@ def worker(rank: int, world: int, rdzv: str, config: str, opts: dict[str, Any], 
     base = _rss()
     torch.manual_seed(0)
     gpt = compare.GPT(compare.GPTConfig(block_size=opts["seq"], **compare.SIZES[opts["size"]]))
-    step, opt, _ = compare.setup(config, gpt, opts, torch.device("cpu"), world, rank)
+    step, opt, _, _ = compare.setup(config, gpt, opts, torch.device("cpu"), world, rank)
     data = compare.RandomWindows(
         compare.load_stdlib_bytes(int(opts["data_mb"] * 2**20)), opts["seq"], rank
     )

@@ -23,11 +23,14 @@ from compare import (  # noqa: E402
     SIZES,
     WIRE_CONFIGS,
     GPTConfig,
+    _held,
     choose_compute,
+    deepspeed_config,
     floors,
     markdown,
     parse_args,
     peak_rss,
+    setup,
     split_by_size,
     summarize,
 )
@@ -183,7 +186,10 @@ def test_memory_table_accounts_for_what_each_row_holds():
     """benchmarks/memory.py, tiny: every row lands with its accounting, and what distamp's sharded
     O2 row holds per rank is the sharded layout (FP32 masters and shard gradients each half the
     FP32 weights, AdamW state twice the masters)."""
-    rows = ["ZeroRedundancyOptimizer", "distamp O2 sharded + reduce-scatter hook"]
+    rows = [
+        "ZeroRedundancyOptimizer + torch fp16_compress_hook",
+        "distamp O2 sharded + reduce-scatter hook",
+    ]
     out = run_benchmark("memory.py", "--size", "tiny", "--steps", "2", "--only", *rows, timeout=300)
     lines = [line for line in out.splitlines() if line.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -292,6 +298,21 @@ def test_only_runs_a_row_once_and_a_compute_given_is_the_one_run():
         (["--nodes", "2", "--link", "fast"], "--link: expected a rate like 1gbit"),
         (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
         (["--out-dir", __file__], "expected a folder (made if missing), found a file"),
+        # an audit: --only ran a bf16 row under a header saying fp32 compute
+        (
+            ["--compute", "fp32", "--only", "distamp O2 sharded + reduce-scatter hook"],
+            "--only: ['distamp O2 sharded + reduce-scatter hook'] compute in the other precision "
+            "than fp32 (--compute); the rows for fp32 compute are ['FP32 DDP',",
+        ),
+        (
+            ["--compute", "bf16", "--only", "FP32 DDP", "floor: FP32, no communication"],
+            "--only: ['floor: FP32, no communication'] compute in the other precision than bf16",
+        ),
+        # the ZeRO rows were renamed when they got a 16-bit wire
+        (
+            ["--only", "ZeroRedundancyOptimizer"],
+            "'ZeroRedundancyOptimizer' is now 'ZeroRedundancyOptimizer + torch fp16_compress_hook'",
+        ),
     ],
 )
 def test_bad_values_are_refused_before_anything_runs(flag, says, capsys):
@@ -325,3 +346,144 @@ def test_a_row_is_made_of_the_rounds_that_ran_and_says_which_failed():
     assert "no floor row" in table and "Floor: 0.000" not in table
     assert "| x | skipped: RuntimeError: boom (rank 0) |" in table
     assert "- x: 1 of 2 rounds failed: failed twice (hung past 120 s (--timeout))" in table
+
+
+def test_the_rows_of_the_chosen_precision_and_the_wire_rows_are_accepted_with_it():
+    only = ["distamp O0 + hook", "wire alone: 16-bit all-reduce per bucket"]
+    assert parse_args(["--compute", "fp32", "--only", *only]).only == only
+    assert parse_args(["--compute", "bf16", "--only", "FP32 DDP"]).only == ["FP32 DDP"]
+
+
+def test_a_wire_alone_row_has_no_speed_up_over_fp32_ddp():
+    """A "wire alone" row trains nothing: no tokens, no loss, and no speed-up over FP32 DDP (an
+    audit: it read 10.62x)."""
+    opts = {"batch": 2, "seq": 8, "world": 2}
+    rows = [
+        summarize("FP32 DDP", [_round([1.0])], opts, peak=1.0),
+        summarize(WIRE_CONFIGS[0], [_round([0.1])], opts, peak=1.0),
+    ]
+    table = markdown(rows, "header", floors(rows, 1000, 2, 1e9))
+    line = next(t for t in table.splitlines() if t.startswith(f"| {WIRE_CONFIGS[0]} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "-" and cells[5:7] == ["-", "-"] and cells[-1] == "-", cells
+    assert "| FP32 DDP | 1.000 | 0.000 | 1.00x |" in table
+
+
+def test_deepspeed_uses_the_ddp_rows_buckets():
+    """DeepSpeed's buckets hold as many gradients as a DDP row's ``--bucket-mb`` bucket (DDP counts
+    its bytes in the gradients' dtype), not its default 5e8 elements (an audit: one bucket), and it
+    overlaps the reduction with the backward as DDP does."""
+    opts = {"batch": 2, "bucket_mb": 2.0}
+    for config, grad_bytes in (
+        ("DeepSpeed ZeRO-1 bf16", 2),
+        ("DeepSpeed ZeRO-1 bf16 communication", 4),
+    ):
+        zero = deepspeed_config(config, opts)["zero_optimization"]
+        assert zero["stage"] == 1 and zero["overlap_comm"] is True, config
+        elements = 2 * 2**20 // grad_bytes
+        assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == elements, config
+    assert deepspeed_config("DeepSpeed ZeRO-1 bf16", opts)["bf16"]["enabled"] is True
+    assert deepspeed_config("DeepSpeed ZeRO-1 bf16 communication", opts)["bf16"]["enabled"] is False
+
+
+def test_the_peak_is_measured_at_the_ranks_thread_count(monkeypatch):
+    """With --threads N, "of peak" divides a rank's FLOP/s by the matmul rate at N threads (an
+    audit: the doctor's one-thread rate), and the header says at how many."""
+    import torch
+
+    import distamp.doctor
+
+    seen = []
+
+    def fake(dtype, seconds, device="cpu"):
+        seen.append(torch.get_num_threads())
+        return 1.0
+
+    monkeypatch.setattr(distamp.doctor, "matmul_gflops", fake)
+    before = torch.get_num_threads()
+    _, why, peak = choose_compute("fp32", 0.01, threads=3)
+    assert peak == 1.0 and set(seen) == {3} and "this CPU at 3 thread(s)" in why
+    assert torch.get_num_threads() == before
+    seen.clear()
+    choose_compute("fp32", 0.01)
+    assert set(seen) == {1}
+
+
+def _tiny_setup(config: str, world: int = 2, rank: int = 0, compute: str = "fp32"):
+    import torch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, **SIZES["tiny"]))
+    opts = {"lr": 1e-3, "adamw": "default", "bucket_mb": 2.0, "compute": compute, "batch": 2}
+    step, opt, wire, fsdp_masters = setup(config, model, opts, torch.device("cpu"), world, rank)
+    x = torch.randint(0, 256, (2, 16))
+    return model, step, opt, wire, fsdp_masters, (x, x.roll(-1, 1))
+
+
+@pytest.mark.parametrize(
+    "config", ["floor: FP32, no communication", "floor: autocast bf16, no communication"]
+)
+def test_a_floor_step_leaves_no_gradient_behind(config):
+    """The floor steps 1/N of the parameters and clears every gradient (an audit: the other
+    (N-1)/N kept accumulating, an add per step over them); the parameters it steps move, the others
+    do not. No process group: the floor communicates nothing."""
+    model, step, opt, wire, _, batch = _tiny_setup(config)
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    assert 0 < len(stepped) < len(list(model.parameters())) and wire == 0
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for _ in range(2):
+        step(*batch)
+        assert all(p.grad is None for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert (id(p) in stepped) is (not p.detach().equal(before[name])), name
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_redundancy_optimizer_reduces_through_the_fp16_hook(one_rank_group, monkeypatch):
+    """The ZeRO rows put gradients on a 16-bit wire as every other peer does (an audit: theirs was
+    FP32), through torch's fp16_compress_hook as the DDP row does."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+    hook = default_hooks.fp16_compress_hook
+
+    def counted(state, bucket):  # DDP checks a hook's parameter names
+        calls.append(1)
+        return hook(state, bucket)
+
+    monkeypatch.setattr(default_hooks, "fp16_compress_hook", counted)
+    for config in (FP32_CONFIGS[2], BF16_CONFIGS[3]):
+        assert "ZeroRedundancyOptimizer + torch fp16_compress_hook" in config
+        _, step, _, wire, fsdp_masters, batch = _tiny_setup(config, world=1)
+        step(*batch)
+        assert calls and wire == 2 and not fsdp_masters, config
+        calls.clear()
+
+
+def test_fsdp2_shards_are_masters_only_beside_16_bit_weights(one_rank_group):
+    """FSDP2's sharded FP32 parameters count as masters in "opt state+masters" only where its
+    MixedPrecisionPolicy computes with bf16 copies of them (param_dtype); with FP32 params they are
+    the model's weights, not counted, as the DDP rows' are not (an audit: they were)."""
+    rows = {
+        "FSDP2 MixedPrecisionPolicy (FP32 params, bf16 reduce)": (False, 8),  # AdamW's 2 x FP32
+        "FSDP2 MixedPrecisionPolicy": (True, 12),  # + the FP32 masters
+    }
+    for config, (masters, per_param) in rows.items():
+        model, step, opt, _, fsdp_masters, batch = _tiny_setup(config, world=1)
+        step(*batch)
+        n = sum(p.numel() for p in model.parameters())
+        assert fsdp_masters is masters, config
+        # (+ AdamW's step counts, a scalar per parameter)
+        assert _held(opt, fsdp_masters) == pytest.approx(per_param * n, rel=1e-3), config

@@ -178,7 +178,11 @@ def matmul_gflops(dtype: torch.dtype, seconds: float, device: str = "cpu") -> fl
 
 
 def compare_matmuls(
-    dtypes: tuple[torch.dtype, ...], seconds: float, device: str = "cpu", rounds: int = 4
+    dtypes: tuple[torch.dtype, ...],
+    seconds: float,
+    device: str = "cpu",
+    rounds: int = 4,
+    threads: int = 1,
 ) -> dict[str, float]:
     """:func:`matmul_gflops` of each dtype, in ``rounds`` interleaved turns within about
     ``seconds``, the best turn of each: load that comes and goes then slows every dtype's worst
@@ -188,19 +192,21 @@ def compare_matmuls(
     On the CPU with one thread (per core, as a training rank runs with ``--threads 1``): a
     product split over every core waits for the slowest, and with other processes holding a core
     every product stalled — an audit at a load of 5 on 2 cores measured fp32 at 2.1 GFLOP/s in
-    three of five runs and the advice flipped; one thread gets whole time slices."""
+    three of five runs and the advice flipped; one thread gets whole time slices. ``threads``:
+    another count, for a caller whose work runs on that many threads per process (the
+    benchmark's ``--threads``: its "of peak" is against the rate its ranks can reach)."""
     best = dict.fromkeys((str(dt).removeprefix("torch.") for dt in dtypes), 0.0)
     per = max(0.005, seconds / (rounds * len(dtypes)))
-    threads = torch.get_num_threads()
+    was = torch.get_num_threads()
     if torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
     try:
         for _ in range(rounds):
             for dt in dtypes:
                 name = str(dt).removeprefix("torch.")
                 best[name] = max(best[name], matmul_gflops(dt, per, device))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(was)
     return best
 
 

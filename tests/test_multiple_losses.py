@@ -412,3 +412,34 @@ def test_a_block_that_adds_at_another_scale_to_pending_gradients_is_refused_at_s
     oc.step()  # the critic's own gradients: one scale, stepped
     with pytest.raises(RuntimeError, match="loss_id=1 .* did not while its gradients were pending"):
         oa.step()
+
+
+def test_a_gan_saves_after_the_generator_step_with_the_discriminator_holding_adopted_grads(
+    tmp_path,
+):
+    """apex's DCGAN loop saves after ``optG.step()``; the generator's loss left gradients in the
+    discriminator, adopted (its optimizer not listed), and save_checkpoint refused "gradients
+    pending from scale_loss" with G and D wrapped together — not apart (an audit). They are
+    dropped as any clear drops them; the optimizer's own pending gradients are still refused."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(3, 4), nn.Linear(4, 1)
+    oG, oD = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (G, D))
+    [G, D], [oG, oD] = distamp.wrap([G, D], [oG, oD], opt_level="O2", num_losses=2, verbosity=0)
+    g = torch.Generator().manual_seed(2)
+    D.zero_grad()
+    fake = G(torch.randn(8, 3, generator=g))
+    backward(
+        D(fake.detach()).float().mean() - D(torch.randn(8, 4, generator=g)).float().mean(), oD, 0
+    )
+    oD.step()
+    G.zero_grad()
+    backward(-D(fake).float().mean(), oG, 1)  # reaches D's parameters too
+    oG.step()
+    distamp.save_checkpoint(tmp_path / "step_1", [G, D], [oG, oD])
+    saved = [p.detach().float().clone() for p in (*G.parameters(), *D.parameters())]
+    backward(D(fake.detach()).float().mean(), oD, 0)  # D's own block: pending, refused
+    with pytest.raises(RuntimeError, match=r"optimizers\[1\] has gradients pending"):
+        distamp.save_checkpoint(tmp_path / "step_2", [G, D], [oG, oD])
+    distamp.load_checkpoint(tmp_path / "step_1", [G, D], [oG, oD])
+    for a, b in zip(saved, (*G.parameters(), *D.parameters()), strict=True):
+        assert torch.equal(a, b.detach().float())

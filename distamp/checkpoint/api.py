@@ -113,8 +113,15 @@ class _Target:
         self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
         # A load drops pending gradients (_install_optimizer zeroes them): rolling back to the
         # last checkpoint after a NaN loss is its use (an audit: it refused, and the docstring
-        # said they were dropped). A save would leave them out of the checkpoint: refused.
+        # said they were dropped). A save would leave them out of the checkpoint: refused —
+        # except gradients only adopted from a block that did not list the optimizer (see
+        # [Note: a block that does not list an optimizer it reaches]): a GAN's generator loss
+        # leaves them in the discriminator after its step, every iteration, and apex's DCGAN
+        # loop saved there (an audit: refused with the two wrapped together, not apart).
         for view in self.views if what == "save_checkpoint" else ():
+            adopted = view.st is not None and view.st.unlisted_loss is not None
+            if adopted and not view.st.backwards and view.st.state is OptState.SCALED:
+                continue
             if view.st is not None and view.st.state is not OptState.READY:
                 raise RuntimeError(
                     f"{what}: optimizers[{view.index}] has gradients pending from scale_loss "

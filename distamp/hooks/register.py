@@ -71,7 +71,9 @@ def register(
     if getattr(ddp_model, "_comm_hooks", None):
         raise RuntimeError(
             "distamp.hooks.register: this DistributedDataParallel model already has a comm hook "
-            "(DDP allows one); register once, right after constructing DDP"
+            "(DDP allows one); register once, right after constructing DDP — with two "
+            "optimizers over one DDP model, one call with either of them: the hook reduces "
+            "every bucket"
         )
     optimizer = inner_optimizer(optimizer) or optimizer  # an optimizer wrapper (apex's LARC)
     if disabled_properties(optimizer) is not None:

@@ -119,15 +119,16 @@ class _Target:
         # leaves them in the discriminator after its step, every iteration, and apex's DCGAN
         # loop saved there (an audit: refused with the two wrapped together, not apart).
         for view in self.views if what == "save_checkpoint" else ():
-            adopted = view.st is not None and view.st.unlisted_loss is not None
-            if adopted and not view.st.backwards and view.st.state is OptState.SCALED:
+            st = view.st
+            if st is None or st.state is OptState.READY:
                 continue
-            if view.st is not None and view.st.state is not OptState.READY:
-                raise RuntimeError(
-                    f"{what}: optimizers[{view.index}] has gradients pending from scale_loss "
-                    f"(state {view.st.state.value}); expected a checkpoint between optimizer.step() "
-                    "and the next backward (call step() or zero_grad() first)"
-                )
+            if st.unlisted_loss is not None and not st.backwards and st.state is OptState.SCALED:
+                continue
+            raise RuntimeError(
+                f"{what}: optimizers[{view.index}] has gradients pending from scale_loss "
+                f"(state {st.state.value}); expected a checkpoint between optimizer.step() "
+                "and the next backward (call step() or zero_grad() first)"
+            )
 
     def distributed(self) -> bool:
         return self.pg is not None and self.world > 1

@@ -459,11 +459,10 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             return key
         raise KeyError(
             f"optimizer.state[{names.get(id(key), 'a model parameter')!r}]: with sharded FP32 "
-            f"masters the optimizer state is kept per param group, for this rank's flat shard "
+            f"masters the optimizer state is kept for this rank's slices of the parameters "
             f"(the tensors in optimizer.param_groups[i]['params']), not per model parameter; "
-            f"expected one of those as the key (optimizer.state_dict() names the slices; "
-            f"distamp.save_checkpoint + `python -m distamp.checkpoint consolidate` gives the "
-            f"state by parameter name)"
+            f"expected one of those as the key (an optimizer built from named_parameters() "
+            f"names them in param_groups[i]['param_names'], e.g. 'fc.weight[0:128]')"
         )
 
     def armed_grad_buffer(self) -> torch.Tensor:

@@ -965,7 +965,8 @@ def clip_grad_norm_(
         return torch.tensor(float("inf"))
     st.masters.take_modified_model_grads()
     total = st.masters.clip_(max_norm, norm_type)
-    _nonfinite_norm(error_if_nonfinite, float(total), norm_type)
+    if error_if_nonfinite:  # float() waits for the norm: only when asked (no sync otherwise)
+        _nonfinite_norm(error_if_nonfinite, float(total), norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
         st.record_shard_grads()
     return total

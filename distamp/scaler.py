@@ -72,7 +72,12 @@ class LossScaler:
         hysteresis: int = 1,
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
+        consecutive_hysteresis: bool = True,
     ) -> None:
+        if not isinstance(consecutive_hysteresis, bool):
+            raise ValueError(
+                f"consecutive_hysteresis: expected True or False, got {consecutive_hysteresis!r}"
+            )
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor: expected > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
@@ -102,6 +107,7 @@ class LossScaler:
             "hysteresis": hysteresis,
             "min_loss_scale": min_loss_scale,
             "max_loss_scale": max_loss_scale,
+            "consecutive_hysteresis": consecutive_hysteresis,
         }
         """The constructor's arguments: what :meth:`fresh` builds another scaler from."""
         self.dynamic = loss_scale == "dynamic"
@@ -109,6 +115,10 @@ class LossScaler:
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        """True: a clean step refills the hysteresis (apex, Megatron, DeepSpeed's
+        ``consecutive_hysteresis: true``); False: only a growth does (DeepSpeed's default, so an
+        overflow every other step still walks the scale down)."""
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         if self.dynamic:
@@ -161,12 +171,14 @@ class LossScaler:
         self.consecutive_skips = 0
         if not self.dynamic:
             return
-        self.hysteresis_left = self.hysteresis
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
         self.clean_steps += 1
         # `==`, as apex's and torch's scalers: a count already past the interval (the interval
         # lowered, or a tracker loaded from a longer one) waits for the next backoff, as there.
         if self.clean_steps == self.growth_interval:
             self.clean_steps = 0
+            self.hysteresis_left = self.hysteresis
             # Capped at max_loss_scale; a scale above it (loaded from torch's uncapped GradScaler)
             # is kept, never lowered by a growth step.
             grown = min(self.scale * self.growth_factor, max(self.max_loss_scale, self.scale))

@@ -227,3 +227,38 @@ def test_a_resumed_static_scale_is_this_runs():
     with pytest.warns(UserWarning, match="static loss_scale 1024"):
         resumed.load_state_dict(saved.state_dict())
     assert resumed.scale == 1024.0
+
+
+def test_non_consecutive_hysteresis_walks_the_scale_down_as_deepspeeds_default():
+    """DeepSpeed's default config (consecutive_hysteresis false): an overflow every other step
+    backs off, 8, 8, 4, 4, 2, ...; distamp's scaler refilled the hysteresis at every clean step,
+    so the same run skipped every other step at 8 forever (an audit; no option could say
+    otherwise)."""
+    overflows = [i % 2 == 0 for i in range(7)]
+    s = LossScaler(
+        init_scale=8.0,
+        growth_interval=3,
+        hysteresis=2,
+        min_loss_scale=1.0,
+        consecutive_hysteresis=False,
+        max_loss_scale=float("inf"),
+    )
+    seq = []
+    for overflow in overflows:
+        s.update(overflow)
+        seq.append(s.scale)
+    # DeepSpeed 0.19.8's DynamicLossScaler(init_scale=8, scale_window=3, min_scale=1,
+    # delayed_shift=2, consecutive_hysteresis=False), run side by side: the same sequence
+    assert seq == [8.0, 8.0, 4.0, 4.0, 2.0, 2.0, 1.0]
+    consecutive = LossScaler(init_scale=8.0, growth_interval=3, hysteresis=2)
+    for overflow in overflows:
+        consecutive.update(overflow)
+    assert consecutive.scale == 8.0  # apex's and DeepSpeed's consecutive_hysteresis: true
+    grows = LossScaler(
+        init_scale=8.0, growth_interval=2, hysteresis=2, consecutive_hysteresis=False
+    )
+    for overflow in (True, False, False, True):  # a growth refills it: the overflow is tolerated
+        grows.update(overflow)
+    assert grows.scale == 16.0
+    with pytest.raises(ValueError, match="consecutive_hysteresis: expected True or False"):
+        LossScaler(consecutive_hysteresis="no")

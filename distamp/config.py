@@ -287,10 +287,11 @@ def resolve_properties(
                 f"opt_level O1 runs normalization in FP32 through autocast already, so "
                 f"keep_batchnorm_fp32 must be None, got {keep_batchnorm_fp32}"
             )
-        if master_weights:
+        if master_weights is not None:  # apex refuses False too ("value is not None")
             raise ValueError(
-                "opt_level O1 keeps the model's weights FP32, so master_weights=True makes no "
-                "sense (there is nothing to keep a master copy of); use opt_level O2"
+                f"opt_level O1 keeps the model's weights FP32, so master_weights must be None, "
+                f"got {master_weights} (there is nothing to keep a master copy of; apex refuses "
+                "any value); use opt_level O2 for FP32 masters"
             )
     elif patch_torch_functions:
         raise ValueError(

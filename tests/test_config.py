@@ -61,6 +61,7 @@ def test_overrides_apply_on_top_of_the_level():
         ("O1", {"cast_model_type": torch.float16}, ["O1", "cast_model_type"]),
         ("O1", {"keep_batchnorm_fp32": True}, ["O1", "keep_batchnorm_fp32"]),
         ("O1", {"master_weights": True}, ["O1", "master_weights"]),
+        ("O1", {"master_weights": False}, ["O1", "master_weights must be None, got False"]),
         ("O2", {"patch_torch_functions": True}, ["O2", "patch_torch_functions"]),
         ("O0", {"patch_torch_functions": True}, ["O0", "patch_torch_functions"]),
         ("O3", {"patch_torch_functions": True}, ["O3", "patch_torch_functions"]),

@@ -61,12 +61,21 @@ def as_optimizer_list(value: Any) -> tuple[list[Any], bool]:
 
 
 def same_shape(
-    models: list[Any], models_listed: bool, opts: list[Any], opts_listed: bool, no_opts: bool
+    models: list[Any], models_in: Any, opts: list[Any], opts_in: Any, no_opts: bool
 ) -> Any:
-    out_models = models if models_listed else models[0]
+    """What ``wrap`` returns: a single model/optimizer for one given alone, a list for a list,
+    a tuple for a tuple (it returned lists for tuples: ``m, = wrap((m,), ...)`` style code
+    compared types; an audit)."""
+    out_models = _shaped_like(models_in, models)
     if no_opts:
         return out_models
-    return out_models, (opts if opts_listed else opts[0])
+    return out_models, _shaped_like(opts_in, opts)
+
+
+def _shaped_like(given: Any, items: list[Any]) -> Any:
+    if isinstance(given, tuple):
+        return tuple(items)
+    return items if isinstance(given, list) else items[0]
 
 
 def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int, str]:

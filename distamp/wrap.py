@@ -113,8 +113,8 @@ def wrap(
     fnmatch patterns of their qualified names such as ``"blocks.*.attn.softmax"``) stay FP32
     under every opt_level, with autocast off inside and their inputs cast up and outputs back.
     """
-    model_list, models_listed = as_list(models, nn.Module, "models")
-    given, opts_listed = ([], False) if optimizers is None else as_optimizer_list(optimizers)
+    model_list, _ = as_list(models, nn.Module, "models")
+    given, _ = ([], False) if optimizers is None else as_optimizer_list(optimizers)
     opt_list = [o for o in map(inner_optimizer, given) if o is not None]
     device_type = casting.device_type_of(model_list[0]) if model_list else "cpu"
     enabled = _enabled_flag(enabled)
@@ -129,7 +129,7 @@ def wrap(
         )
         for opt in opt_list:
             setattr(opt, DISABLED_ATTR, props)
-        return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+        return same_shape(model_list, models, given, optimizers, optimizers is None)
 
     # Every rank learns of a check that failed on one rank only (instead of waiting for it).
     with checks_on_every_rank("distamp.wrap", group):
@@ -224,7 +224,7 @@ def wrap(
         wrapper.__class__ = _wrapper_class(type(wrapper))
     if optimizers is None and props.master_weights:
         _warn_at_first_gradient_without_masters(model_list, props, names)
-    return same_shape(model_list, models_listed, given, opts_listed, optimizers is None)
+    return same_shape(model_list, models, given, optimizers, optimizers is None)
 
 
 def _refuse_script_modules(models: list[nn.Module], props: Properties) -> None:

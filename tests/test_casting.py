@@ -321,6 +321,12 @@ def test_single_in_single_out_lists_in_lists_out():
     assert isinstance(out_o, list) and out_o[0] is os_[0] and out_o[1] is os_[1]
     only_model = distamp.wrap(NormMLP(), opt_level="O1")
     assert isinstance(only_model, NormMLP)
+    for enabled in (True, False):  # a tuple in gives a tuple out (it gave lists)
+        m = NormMLP()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        out_m, out_o = distamp.wrap((m,), (o,), opt_level="O2", enabled=enabled)
+        assert type(out_m) is tuple and out_m[0] is m
+        assert type(out_o) is tuple and out_o[0] is o
 
 
 class MaskedAttention(nn.Module):

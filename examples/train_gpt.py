@@ -393,17 +393,12 @@ def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--c
         parser.error(f"{flag} {path}: expected a directory, found a file at {where}")
     if not os.access(where, os.W_OK | os.X_OK):
         parser.error(f"{flag} {path}: expected a writable directory, {where} is not writable")
-    made = [p for p in [path, *path.parents] if not p.exists()]
-    try:
+    try:  # made here, as the run would (not removed again: every rank checks at once)
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as err:
         parser.error(f"{flag} {path}: expected a writable directory, found {err}")
-    finally:  # a check leaves nothing behind: the run makes them
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
     if flag == "--ckpt-dir":
         check_uncommitted(parser, path)
 

@@ -961,19 +961,21 @@ def clip_grad_norm_(
             "optimizer since the last step()" + _after_framework_backward(st)
         )
     if st.overflow:
-        _nonfinite_norm(error_if_nonfinite, float("inf"), norm_type)
+        if error_if_nonfinite:
+            _nonfinite_norm(float("inf"), norm_type)
         return torch.tensor(float("inf"))
     st.masters.take_modified_model_grads()
     total = st.masters.clip_(max_norm, norm_type)
     if error_if_nonfinite:  # float() waits for the norm: only when asked (no sync otherwise)
-        _nonfinite_norm(error_if_nonfinite, float(total), norm_type)
+        _nonfinite_norm(float(total), norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
         st.record_shard_grads()
     return total
 
 
-def _nonfinite_norm(error_if_nonfinite: bool, total: float, norm_type: float) -> None:
-    if error_if_nonfinite and not math.isfinite(total):
+def _nonfinite_norm(total: float, norm_type: float) -> None:
+    """``clip_grad_norm_(..., error_if_nonfinite=True)``: refuse a non-finite norm."""
+    if not math.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: expected a finite total norm (error_if_nonfinite=True), found "
             f"{total} (order {norm_type}): the gradients overflowed, and optimizer.step() "

@@ -43,7 +43,7 @@ def test_agreeing_ranks_wrap_normally():
 
 
 def _one_rank_fails_locally(rank, world, api, problem):
-    """Rank 1 alone hands over something a local check refuses; rank 0 is fine."""
+    """Rank 1 alone hands over something a local check (or the ranks' agreement) refuses."""
     import distamp.fsdp
 
     model = mlp()
@@ -52,6 +52,11 @@ def _one_rank_fails_locally(rank, world, api, problem):
         model[0].bfloat16()
     if rank == 1 and problem == "stray parameter":
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    if rank == 1 and problem == "extra layer":
+        model.append(torch.nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 1 and problem == "frozen bias":
+        model[0].bias.requires_grad_(False)
     if rank == 1 and problem == "meta model":
         model = mlp()
         model[0].to("meta")  # partly: distamp.fsdp takes a model wholly on the meta device
@@ -327,30 +332,11 @@ def test_parameters_ddp_ignores_and_the_script_reduces_train_like_fp32(
             torch.testing.assert_close(weights[name], value, atol=tol, rtol=0, msg=name)
 
 
-def _one_rank_differs(rank, world, api, difference):
-    import distamp.fsdp
-
-    model = mlp()
-    if rank == 1 and difference == "extra layer":
-        model.append(torch.nn.Linear(4, 4))
-    if rank == 1 and difference == "frozen bias":
-        model[0].bias.requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        if api == "wrap":
-            distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-        else:
-            distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 @pytest.mark.parametrize("api", ["wrap", "fsdp"])
 def test_a_parameter_one_rank_has_more_is_named_as_missing_on_the_other(api):
     """Compared by position, one extra layer paired rank 0's optimizer class with rank 1's new
     parameter ('rank 0 has optimizers[0] class=SGD, rank 1 has ... 'l3.weight''; an audit)."""
-    for message in run_ranks(_one_rank_differs, 2, api, "extra layer", timeout=60):
+    for message in run_ranks(_one_rank_fails_locally, 2, api, "extra layer", timeout=60):
         assert message is not None
         assert "rank 1 has models[0] parameter '4.weight'=(4, 4)" in message
         assert "which rank 0 has not (and 1 more names on one rank only)" in message
@@ -361,6 +347,6 @@ def test_a_parameter_frozen_on_one_rank_only_is_named(api):
     """Under FSDP the first backward aborted gloo ('Received data size doesn't match expected
     size', SIGABRT on one rank; an audit): the wrap-time agreement check did not read
     requires_grad."""
-    for message in run_ranks(_one_rank_differs, 2, api, "frozen bias", timeout=60):
+    for message in run_ranks(_one_rank_fails_locally, 2, api, "frozen bias", timeout=60):
         assert message is not None
         assert "rank 1 has models[0] parameter '0.bias'=(16,) torch.float32 frozen" in message

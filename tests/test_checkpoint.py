@@ -754,6 +754,34 @@ def test_consolidate_cli_leaves_no_truncated_file_behind(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("stopped", ["before the manifest", "before the rename"])
+def test_loading_a_killed_saves_temporary_folder_says_so(tmp_path, stopped):
+    """A save killed before its manifest leaves DCP's .metadata without one: the load called it
+    dcp.save's folder and advised loading it with torch (an audit); killed after its COMMIT,
+    before the rename, the folder is whole and the message says how to use it."""
+    import shutil
+
+    from distamp.checkpoint.files import COMMIT, MANIFEST
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    distamp.save_checkpoint(tmp_path / "c", model, opt, extra={"step": 2})
+    temporary = tmp_path / "c.incomplete-host-7-123"
+    shutil.copytree(tmp_path / "c", temporary)
+    if stopped == "before the manifest":
+        (temporary / COMMIT).unlink()
+        (temporary / MANIFEST).unlink()
+        pattern = r"did not finish .*load the previous checkpoint \(.*/c if it exists"
+    else:
+        pattern = rf"{COMMIT} were written, its rename to .*/c was not; .*`mv "
+    fresh, fresh_opt, _ = make("O2")
+    with pytest.raises(CheckpointError, match=r"found the temporary folder of a save_checkpoint "):
+        distamp.load_checkpoint(temporary, fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=pattern):
+        distamp.load_checkpoint(temporary, fresh, fresh_opt)
+    assert distamp.load_checkpoint(tmp_path / "c", fresh, fresh_opt) == {"step": 2}
+
+
 def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):
     model, opt, sched = make("O2")
     train(model, opt, sched, 0, 1, 0, 2)
@@ -857,6 +885,29 @@ def test_a_checkpoint_path_that_is_a_symbolic_link_is_saved_through_it(tmp_path)
 # -- variants, in one process -----------------------------------------------------------------------
 
 
+class HistoryOptimizer(torch.optim.Optimizer):
+    """A user's optimizer with element-wise state and a fixed-size ``(3,)`` history per
+    parameter: shaped like ``Net.fc2.bias``, element-wise there only (a Shampoo-style
+    preconditioner shaped like a square weight is the same case)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["avg"] = torch.zeros_like(p)
+                    state["hist"] = torch.zeros(3)
+                state["avg"].mul_(0.5).add_(p.grad)
+                state["hist"] = torch.cat([p.grad.norm().reshape(1), state["hist"][:2]])
+                p.add_(state["avg"], alpha=-group["lr"])
+
+
 def build_variant(variant):
     """(models, optimizers) as the user holds them after wrap, for one configuration."""
     if variant == "two models":
@@ -872,6 +923,10 @@ def build_variant(variant):
     if variant == "adafactor":  # variance for vectors only, row_var/col_var for matrices
         opt = torch.optim.Adafactor(model.parameters(), lr=0.05)
         return distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    if variant == "history state":
+        return distamp.wrap(
+            model, HistoryOptimizer(model.parameters()), opt_level="O2", verbosity=0
+        )
     if variant == "adagrad sharded":
         opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
         return distamp.wrap(model, opt, opt_level="O2", shard_master_weights=True, verbosity=0)
@@ -905,7 +960,17 @@ def variant_steps(models, opts, first, last):
 
 
 @pytest.mark.parametrize(
-    "variant", ["O0", "O3", "O2 fp16", "disabled", "two models", "adagrad sharded", "adafactor"]
+    "variant",
+    [
+        "O0",
+        "O3",
+        "O2 fp16",
+        "disabled",
+        "two models",
+        "adagrad sharded",
+        "adafactor",
+        "history state",
+    ],
 )
 def test_round_trip_variants_in_one_process(tmp_path, variant):
     models, opts = build_variant(variant)
@@ -937,6 +1002,9 @@ def test_round_trip_variants_in_one_process(tmp_path, variant):
         assert "variance" in saved["fc1.bias"]
         for per in fresh_opts.state.values():
             assert "variance" not in per or "row_var" not in per, sorted(per)
+    if variant == "history state":  # (an audit: saved, committed, and never loadable again)
+        saved = consolidate_optimizer_state(tmp_path / "c")
+        assert all(per["hist"].shape == (3,) for per in saved.values()), saved
     consolidated = consolidate(tmp_path / "c")
     reference = fresh_list[0].state_dict()
     assert set(consolidated) == set(reference)
@@ -1055,6 +1123,37 @@ def test_a_checkpoint_of_other_kept_fp32_modules_is_refused_naming_the_parameter
     before = [p.detach().clone() for p in other.parameters()]
     with pytest.raises(
         CheckpointError, match=r"parameter '0\.weight' is with FP32 masters in the "
+    ):
+        distamp.load_checkpoint(tmp_path / "c", other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("change", ["split moved", "groups swapped"])
+def test_a_parameter_in_another_param_group_than_saved_is_named_with_both_groups(tmp_path, change):
+    """nanoGPT's decay / no-decay split built otherwise on resume: the error said the parameter
+    was absent and hinted at keep_fp32_modules (an audit)."""
+
+    def build(groups):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": [params[i] for i in g]} for g in groups], lr=1e-2)
+        return distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+
+    model, opt = build([[0, 1, 2, 3], [4, 5]])
+    with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(tmp_path / "c", model, opt)
+    groups, pattern = {
+        "split moved": ([[0, 1], [2, 3, 4, 5]], r"'1\.weight' is in param_groups\[0\] in the "),
+        "groups swapped": ([[4, 5], [0, 1, 2, 3]], r"'2\.weight' is in param_groups\[1\] in the "),
+    }[change]
+    here = {"split moved": 1, "groups swapped": 0}[change]
+    other, other_opt = build(groups)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(
+        CheckpointError, match=pattern + rf"checkpoint and in param_groups\[{here}\]"
     ):
         distamp.load_checkpoint(tmp_path / "c", other, other_opt)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))

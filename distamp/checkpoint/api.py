@@ -727,6 +727,7 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
                 f"optimizers[{o}]: {len(entry['groups'])} param group(s) in the checkpoint, "
                 f"{len(view.groups)} here"
             )
+        _refuse_moved_between_groups(o, entry["groups"], view.groups)
         for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):
             saved_flat = saved_group["flat"]
             mine_flat = (
@@ -773,6 +774,27 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         raise CheckpointError(
             f"expected {len(manifest['scalers'])} loss scaler(s) (num_losses) as saved"
         )
+
+
+def _refuse_moved_between_groups(
+    o: int, saved: list[dict[str, Any]], here: list[GroupView]
+) -> None:
+    """A parameter in another param group than when saved (the decay / no-decay split built
+    otherwise, the groups in another order) is named with both groups. Compared group by group
+    it read as absent, with a hint at keep_fp32_modules (an audit)."""
+    saved_at = {
+        name: g
+        for g, group in enumerate(saved)
+        for name in (group["flat"]["names"] if group["flat"] else []) + group["kept"]
+    }
+    for g, gv in enumerate(here):
+        for name in (gv.flat.names if gv.flat else []) + [n for n, _ in gv.kept]:
+            if saved_at.get(name, g) != g:
+                raise CheckpointError(
+                    f"optimizers[{o}]: parameter {name!r} is in param_groups[{saved_at[name]}] "
+                    f"in the checkpoint and in param_groups[{g}] here; expected the param "
+                    "groups built as when saving (the same split, in the same order)"
+                )
 
 
 def _group_difference(

@@ -196,6 +196,21 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         )
         raise CheckpointError(f"{directory}: {what}")
     commit = directory / COMMIT
+    if is_temporary(directory.name):
+        # Before the .metadata test: a save killed before its manifest was read as dcp.save's
+        # folder, with advice to load it with torch (an unverified, uncommitted save; an audit).
+        final = directory.with_name(directory.name.split(INCOMPLETE)[0])
+        raise CheckpointError(
+            f"{directory}: expected a committed distamp checkpoint, found the temporary folder "
+            "of a save_checkpoint that did not finish (killed, or still running): "
+            + (
+                f"its files and {COMMIT} were written, its rename to {final} was not; once no "
+                f"save is running, `mv {directory} {final}` to load it"
+                if commit.is_file()
+                else f"load the previous checkpoint ({final} if it exists; "
+                "distamp.latest_checkpoint(folder) picks the newest committed one)"
+            )
+        )
     if not commit.is_file():
         if (directory / ".metadata").is_file() and not (directory / MANIFEST).exists():
             raise CheckpointError(

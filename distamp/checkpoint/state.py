@@ -318,7 +318,7 @@ def flat_state(
             value = opt.state.get(master, {}).get(key)
             pieces_full.append(
                 value.detach().reshape(-1)
-                if isinstance(value, torch.Tensor)
+                if isinstance(value, torch.Tensor) and value.shape == master.shape
                 else torch.zeros(master.numel(), dtype=_state_dtype(opt, flat.masters, key))
             )
         tensors[key] = torch.cat(pieces_full)[lo:hi]
@@ -384,8 +384,8 @@ def present_keys(opt: torch.optim.Optimizer, flat: FlatGroup) -> dict[str, list[
     else:
         wide = elementwise_keys(opt, flat.masters)
         for i, master in enumerate(flat.masters):
-            for key in opt.state.get(master, {}):
-                if key in wide:
+            for key, value in opt.state.get(master, {}).items():
+                if key in wide and isinstance(value, torch.Tensor) and value.shape == master.shape:
                     present.setdefault(key, set()).add(i)
     return {k: sorted(v) for k, v in present.items()}
 

@@ -15,6 +15,7 @@ step on unscaled gradients); and the scale grows through :class:`distamp.LossSca
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from collections.abc import Iterable
@@ -24,9 +25,20 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
+from .forensics import (
+    EVIDENCE_SLOTS,
+    NonFiniteGradientError,
+    NonFiniteReport,
+    local_evidence,
+    read_evidence,
+)
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import inner_optimizer
 from .scaler import LossScaler
+
+MIN_SCALE = 2.0**-100
+"""The scale's floor: ``1 / scale`` multiplies the gradients in FP32, so it must stay finite
+(2**128 is not). torch's scaler has none: its scale halves forever on a persistent NaN."""
 
 
 class _Stage(enum.Enum):
@@ -41,6 +53,10 @@ class GradScaler:
     ``process_group``: the group the found-inf flag is reduced over (default: the world, when
     torch.distributed is initialized; no collective otherwise). ``device`` is accepted for
     torch's signature (``GradScaler("cuda")``); the flag lives wherever the gradients are.
+    ``max_consecutive_skips``: raise :class:`distamp.NonFiniteGradientError` (naming the
+    parameter, rank and inf or NaN) after this many skipped iterations in a row, or at a skip at
+    the scale's floor (2**-100), instead of skipping forever; default: the ``wrap`` setting of
+    an optimizer it steps, else 50 (DESIGN, semantics 3).
     """
 
     def __init__(
@@ -54,7 +70,17 @@ class GradScaler:
         *,
         max_scale: float = 2.0**24,
         process_group: dist.ProcessGroup | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_skips: expected an int >= 1 or None, got "
+                f"{max_consecutive_skips!r}"
+            )
         if not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
         if enabled and isinstance(growth_factor, (int, float)) and growth_factor <= 1.0:
@@ -80,9 +106,13 @@ class GradScaler:
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             max_loss_scale=max(max_scale, float(init_scale)),
+            min_loss_scale=min(MIN_SCALE, float(init_scale)),
         )
         self._group = process_group
         self._per_optimizer: dict[int, tuple[_Stage, bool]] = {}
+        self._max_consecutive_skips = max_consecutive_skips
+        self._limits: list[int] = []  # of the wrapped optimizers stepped this iteration
+        self._reports: list[NonFiniteReport] = []  # of this iteration's skips
 
     # -- the torch.amp.GradScaler API ---------------------------------------------------------------
 
@@ -156,12 +186,24 @@ class GradScaler:
         ]
         device = grads[0].device if grads else torch.device("cpu")
         flag = check_and_unscale_(grads, 1.0 / self._scaler.scale, device)
-        # [found inf, this rank has no gradient]: one MAX all-reduce decides both on every rank.
-        flags = torch.cat([flag, torch.full_like(flag, float(not grads))])
         group = self._process_group()
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
+        st = _distamp_state(optimizer)
+
+        def named() -> list[tuple[str, torch.Tensor | None]]:
+            return _named_grads(optimizer, st)
+
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        evidence = local_evidence(flag, [], count, named, rank, world)
+        # [found inf, this rank has no gradient, which gradient]: one MAX all-reduce decides
+        # all three on every rank (see [Note: the evidence rides with the decision]).
+        flags = torch.cat(
+            [flag.double(), torch.full_like(flag, float(not grads)).double(), evidence.to(device)]
+        )
         if group is not None:
             all_reduce_(flags, dist.ReduceOp.MAX, group)
-        found_inf, none = (bool(v > 0) for v in flags.tolist())
+        values = flags.tolist()
+        found_inf, none = values[0] > 0, values[1] > 0
         if none:
             # torch raises at step() ("No inf checks were recorded for this optimizer"); every
             # rank raises here together instead of one waiting in the next collective.
@@ -171,9 +213,16 @@ class GradScaler:
                 f"found none on {where} (run backward on the scaled loss first)"
             )
         self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
-        st = _distamp_state(optimizer)
-        if st is not None:  # wrap's O0/O1 optimizer: the scale and the skips are ours (an audit:
-            st.grad_scaler = weakref.ref(self)  # step() warned "without scale_loss")
+        report = read_evidence(values[2 : 2 + EVIDENCE_SLOTS], [], count, named, world)
+        if report is not None:
+            if group is not None and world > 1:  # named by the global rank
+                report = dataclasses.replace(report, rank=dist.get_global_rank(group, report.rank))
+            self._reports.append(report)
+        if st is not None:
+            self._limits.append(st.group.props.max_consecutive_skips)
+            st.last_nonfinite = report if found_inf else None
+            # wrap's O0/O1 optimizer: the scale and the skips are ours (an audit: step() warned
+            st.grad_scaler = weakref.ref(self)  # "without scale_loss")
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
@@ -226,7 +275,32 @@ class GradScaler:
         else:
             overflow = any(found for _, found in self._per_optimizer.values())
             self._scaler.update(overflow)
+            if overflow:
+                self._refuse_skipping_forever()
         self._per_optimizer = {}
+        self._limits, self._reports = [], []
+
+    def _refuse_skipping_forever(self) -> None:
+        """Semantics 3 on this path too: a persistent NaN skipped every iteration, halving the
+        scale until ``1 / scale`` left FP32's range and torch's "value cannot be converted to
+        type float without overflow" ended the run 144 iterations later, naming nothing (an
+        audit). Every rank reads the same decisions, so every rank raises."""
+        limit = self._max_consecutive_skips or min(self._limits, default=50)
+        scaler = self._scaler
+        if scaler.consecutive_skips < limit and not scaler.skipped_at_floor:
+            return
+        reason = (
+            f"{scaler.consecutive_skips} consecutive iterations were skipped"
+            if scaler.consecutive_skips >= limit
+            else f"an iteration was skipped at the scale's floor {scaler.scale:g}"
+        )
+        what = str(self._reports[0]) if self._reports else "non-finite gradients"
+        self._per_optimizer, self._limits, self._reports = {}, [], []
+        raise NonFiniteGradientError(
+            f"GradScaler: {reason}: {what}. Lowering the scale does not fix this; look for a "
+            "NaN/inf produced by the forward pass or the loss itself "
+            "(GradScaler(max_consecutive_skips=...) sets this limit)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's keys: plain numbers (``torch.load(weights_only=True)``)."""
@@ -300,6 +374,19 @@ def _checked(name: str, value: float, *, low: float, high: float = float("inf"))
             f"GradScaler: {name} expected a number in ({low:g}, {high:g}), got {value!r}"
         )
     return float(value)
+
+
+def _named_grads(
+    optimizer: torch.optim.Optimizer, st: Any
+) -> list[tuple[str, torch.Tensor | None]]:
+    """(name, grad) of the optimizer's parameters in order: the model's names for an optimizer
+    ``wrap`` returned, else their place in ``param_groups``."""
+    names = st.group.param_names if st is not None else {}
+    return [
+        (names.get(id(p)) or f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})", p.grad)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+    ]
 
 
 def _distamp_state(optimizer: torch.optim.Optimizer) -> Any:

@@ -1,5 +1,6 @@
 """distamp.GradScaler: torch.amp.GradScaler's API, one decision on every rank, FP16 gradients."""
 
+import re
 import warnings
 
 import pytest
@@ -163,6 +164,69 @@ def test_a_wrapped_o1_optimizer_driven_by_distamp_grad_scaler_reports_its_skips_
             assert stats.loss_scales == (scaler.get_scale(),)
     assert (stats.steps, stats.skipped_steps) == (3, 1)
     assert scaler.get_scale() == 2.0**15
+
+
+def _persistent_nan_on_one_rank(rank, world, wrapped):
+    """torch.amp + DDP, or wrap O1 + DDP, with distamp.GradScaler; the last rank's first
+    weight gradient is NaN at every iteration (after the all-reduce: that rank only)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrapped:
+        model, opt = distamp.wrap(model, opt, opt_level="O1", max_consecutive_skips=5, verbosity=0)
+        scaler = distamp.GradScaler()
+    else:
+        scaler = distamp.GradScaler(max_consecutive_skips=5)
+    ddp = DDP(model)
+    iterations = 0
+    try:
+        for x, y in data(8, 4):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not wrapped):
+                loss = F.mse_loss(ddp(x).float(), y)
+            scaler.scale(loss).backward()
+            if rank == world - 1:
+                model[0].weight.grad.view(-1)[0] = float("nan")
+            scaler.step(opt)
+            iterations += 1
+            scaler.update()
+            opt.zero_grad()
+    except distamp.NonFiniteGradientError as exc:
+        return iterations, str(exc), scaler.get_scale()
+    return iterations, "", scaler.get_scale()
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["torch.amp", "wrap O1"])
+def test_a_persistent_nan_on_one_rank_raises_on_every_rank_naming_it(wrapped):
+    """Semantics 3 on the GradScaler path (an audit): 144 skips, the scale halved to 2**-128,
+    then torch's "value cannot be converted to type float without overflow", naming nothing."""
+    results = run_ranks(_persistent_nan_on_one_rank, 2, wrapped, timeout=120)
+    name = (
+        "'0.weight'" if wrapped else r"\"param_groups\[0\]\['params'\]\[0\] \(shape \(16, 8\)\)\""
+    )
+    for iterations, message, scale in results:
+        assert iterations == 5, results
+        assert re.search(
+            rf"5 consecutive iterations were skipped: parameter {name} had a NaN "
+            r"gradient on rank 1",
+            message,
+        ), message
+        assert scale == 2.0**11
+
+
+def test_the_scale_stops_at_a_floor_whose_inverse_is_finite():
+    """Skips between clean iterations (no run of max_consecutive_skips) halved the scale past
+    2**-127, where 1 / scale overflows FP32: the skip at the floor raises instead."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = distamp.GradScaler(init_scale=2.0**-97)
+    with pytest.raises(distamp.NonFiniteGradientError, match=r"skipped at the scale's floor"):
+        for step, (x, y) in enumerate(data(40, 4)):
+            loss = F.mse_loss(model(x), y) * (float("inf") if step % 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            assert scaler.get_scale() >= 2.0**-100
+    assert scaler.get_scale() == 2.0**-100
 
 
 def _grad_scaler_on_sharded_fp32_weights(rank, world):

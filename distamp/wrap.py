@@ -184,6 +184,8 @@ def wrap(
     _warn_about_plan(model_list, plan, props)
     _warn_about_eps(opt_list, props)
     _warn_about_state_before_wrap(opt_list, props)
+    if opt_list and props.master_weights:
+        _warn_about_cast_params_no_optimizer_holds(model_list, plan, props, opt_list, names)
     if props.shard_master_weights:
         strided = [
             names[id(p)]
@@ -477,6 +479,39 @@ def _warn_about_eps(
                     stacklevel=3,
                 )
                 return
+
+
+def _warn_about_cast_params_no_optimizer_holds(
+    models: list[nn.Module],
+    plan: casting.PrecisionPlan,
+    props: Properties,
+    optimizers: list[torch.optim.Optimizer],
+    names: dict[int, str],
+) -> None:
+    """Masters are the FP32 copies of the parameters an optimizer steps; a cast parameter no
+    optimizer holds (fine-tuning's ``AdamW(p for p in model.parameters() if p.requires_grad)``
+    over a frozen backbone) keeps only its half value, and a consolidated checkpoint widens that
+    back to "FP32": a weight never trained came back changed, without a word (an audit; apex's
+    O2 drops them the same way). Parameters frozen but passed to the optimizer keep masters."""
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    seen: set[int] = set()
+    lost = []
+    for model in models:
+        for param in model.parameters():
+            if id(param) in plan.cast_params and id(param) not in held and id(param) not in seen:
+                seen.add(id(param))
+                lost.append(names.get(id(param), "?"))
+    if lost:
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+        warnings.warn(
+            f"distamp.wrap(opt_level={props.opt_level!r}): parameter(s) {lost[:3]}{more} are "
+            f"cast to {plan.half_dtype} but held by no optimizer passed to wrap, so no FP32 "
+            "master keeps their FP32 values (a consolidated checkpoint widens the rounded "
+            "ones). Expected every parameter in an optimizer (frozen ones too: they get masters "
+            "and are not stepped), or their modules in keep_fp32_modules to keep them FP32; "
+            "if the rounded values are fine (a frozen backbone), ignore this",
+            stacklevel=3,
+        )
 
 
 def _warn_about_plan(

@@ -383,3 +383,28 @@ def test_a_scalar_buffer_cast_with_its_modules_weights_is_named():
     with pytest.warns(UserWarning, match=r"scalar buffer\(s\) \['steps'\].*past 256"):
         model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
     assert model.steps.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_cast_parameters_no_optimizer_holds_are_named_at_wrap(shard):
+    """Fine-tuning's optimizer over the trainable parameters only: O2 kept no FP32 copy of the
+    frozen backbone's weights, and a consolidated checkpoint widened the rounded ones back to
+    "FP32", silently (an audit). Frozen parameters passed to the optimizer keep masters."""
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        model[0].requires_grad_(False)
+        return model
+
+    model = build()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=0.1)
+    with pytest.warns(UserWarning, match=r"\['0\.weight', '0\.bias'\] are cast to torch\.bfloat16"):
+        distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*held by no optimizer")
+        distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)

@@ -223,10 +223,8 @@ def _copy_input_dtype(
         return None
     for name, dtype in probes:
         if dtype == cast_to:
-            try:
-                return model.get_parameter(name).dtype
-            except AttributeError:
-                break
+            found = _probe_dtype(model, name)
+            return cast_to if found is None else found
     return cast_to
 
 
@@ -237,9 +235,8 @@ def check_dtypes(model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...]) 
     dtype", and O1's ``model.bfloat16()`` trained bf16 weights without a word. One dtype read per
     probe per forward says so at once."""
     for name, dtype in probes:
-        try:
-            found = model.get_parameter(name).dtype
-        except AttributeError:  # the parameter was removed: nothing to compare
+        found = _probe_dtype(model, name)
+        if found is None:  # the parameter was removed: nothing to compare
             continue
         if found != dtype:
             props = getattr(type(model), "_distamp_properties", None)
@@ -247,8 +244,24 @@ def check_dtypes(model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...]) 
                 f"distamp: parameter {name!r} is {found}, but distamp.wrap left it {dtype} "
                 f"(opt_level {props.opt_level if props else '?'}): expected no dtype "
                 "conversion of a wrapped model (model.float()/.half()/.to(dtype), "
-                "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model"
+                "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model "
+                "(torch.func.functional_call: pass tensors in the dtypes wrap left, e.g. "
+                "{k: v.to(p.dtype) for ...} over model.named_parameters())"
             )
+
+
+def _probe_dtype(model: nn.Module, name: str) -> torch.dtype | None:
+    """The dtype of whatever tensor sits at ``name`` now: a parameter, or the plain tensor
+    ``torch.func.functional_call`` swaps in for the call (``get_parameter`` refused that one as
+    "not an nn.Parameter", and the check was skipped: an audit got torch's bare "mat1 and mat2
+    must have the same dtype" for FP32 tensors passed to an O2 model)."""
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        return None
+    found = getattr(owner, leaf, None)
+    return found.dtype if isinstance(found, torch.Tensor) else None
 
 
 class FP32NormModule(nn.Module):

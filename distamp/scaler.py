@@ -895,7 +895,10 @@ class ScalerGroup:
                     f"{', '.join(map(repr, missing[:4]))}{' and more' if len(missing) > 4 else ''}"
                     " — unused in forward under DDP built with find_unused_parameters=False, they "
                     "leave their bucket and every later one unreduced: pass "
-                    "find_unused_parameters=True to DDP (or use every parameter)"
+                    "find_unused_parameters=True to DDP (or use every parameter); or left out "
+                    "by backward(inputs=...) / torch.autograd.grad, which DDP does not support "
+                    "(DDP waits for every parameter's gradient, whatever find_unused_parameters "
+                    "says): run backward over all parameters, or build DDP over the subset"
                 )
             if frozen:  # (an audit: frozen after DDP was built, another parameter was named)
                 first += (

@@ -181,3 +181,16 @@ def test_a_compiled_optimizer_step_keeps_the_fp32_masters():
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
     assert not all(torch.equal(m, m.bfloat16().float()) for m in eager)  # the masters are FP32
+
+
+def test_functional_call_with_tensors_of_other_dtypes_is_named():
+    """torch.func.functional_call swaps plain tensors in for the call: the dtype check read them
+    with get_parameter, which refused them, so it was skipped and torch's bare "mat1 and mat2
+    must have the same dtype" followed (an audit). Tensors in the dtypes wrap left run."""
+    model = distamp.wrap(net(), opt_level="O2", verbosity=0)
+    x = torch.randn(2, 8)
+    fp32 = {k: v.detach().float() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"'0\.weight' is torch\.float32, but .*functional_call"):
+        torch.func.functional_call(model, fp32, (x,))
+    same = {k: v.detach().clone() for k, v in model.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(model, same, (x,)), model(x))

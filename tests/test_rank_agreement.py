@@ -253,6 +253,8 @@ def test_a_parameter_forward_never_used_under_default_ddp_is_named_at_step(level
     for message in run_ranks(_unused_under_default_ddp, 2, level, rs_hook, timeout=90):
         assert message is not None and "'spare.weight', 'spare.bias'" in message, message
         assert "pass find_unused_parameters=True" in message, message
+        # the other way to leave a used parameter without a gradient (an audit)
+        assert "left out by backward(inputs=...)" in message, message
 
 
 IGNORED = ["2.weight", "2.bias"]

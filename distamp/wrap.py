@@ -874,8 +874,9 @@ def scale_loss(
         drop_cleared_gradients(st)
         if st.state is OptState.UNSCALED:
             raise RuntimeError(
-                "scale_loss: unscale_() (or clip_grad_norm_) was already called on this optimizer "
-                "since the last step(); expected step() before the next backward"
+                "scale_loss: unscale_() (or clip_grad_norm_, or amp.master_params() after a block "
+                "without delay_unscale=True) was already called on this optimizer since the last "
+                "step(); expected step() before the next backward"
             )
     scale = group.prepare_backward(loss_id, states)
     scaled = loss.float() * scale
@@ -891,15 +892,21 @@ def scale_loss(
         st.backward_since_step = False
     for st in states:
         st.masters.blocks_open += 1
+        st.delayed_unscale = bool(delay_unscale)
     try:
         yield scaled
-    finally:
-        for st in states:
-            st.masters.blocks_open -= 1
-    reached = any(st.backward_since_step for st in states)
-    foreign = [o for o in others if o.backward_since_step]
-    for st, seen in zip((*states, *others), before, strict=True):
-        st.backward_since_step = st.backward_since_step or seen
+    except BaseException:
+        reached, foreign = _close_block(states, others, before)
+        if reached:
+            # [Note: a block that raised after its backward] A backward that ran (wholly, or
+            # until a hook raised) left gradients at ``scale`` in .grad; a script that catches
+            # the error and steps anyway (the "log the OOM, go on" habit) had them taken as
+            # unscaled: an update 65536 times too large (an audit). They are recorded as this
+            # block's, so step() unscales them; zero_grad() discards them as usual.
+            group.finish_backward(loss_id, states, scale, None)
+            group.reached_unlisted(foreign, loss_id, scale)
+        raise
+    reached, foreign = _close_block(states, others, before)
     if watch and reached and not through_scaled:
         # An apex user's slip: ``loss.backward()`` inside the block. Its gradients are not
         # scaled, and step() divides them by the scale: updates 2**16 times too small, silently.
@@ -913,6 +920,20 @@ def scale_loss(
         )
     group.finish_backward(loss_id, states, scale, loss)
     group.reached_unlisted(foreign, loss_id, scale)
+
+
+def _close_block(
+    states: list[Any], others: list[Any], before: list[bool]
+) -> tuple[bool, list[Any]]:
+    """A ``scale_loss`` block ended: whether its backward reached its optimizers, which of the
+    others it reached, and each optimizer's "backward since step" flag restored with it."""
+    for st in states:
+        st.masters.blocks_open -= 1
+    reached = any(st.backward_since_step for st in states)
+    foreign = [o for o in others if o.backward_since_step]
+    for st, seen in zip((*states, *others), before, strict=True):
+        st.backward_since_step = st.backward_since_step or seen
+    return reached, foreign
 
 
 def unscale_(optimizer: torch.optim.Optimizer) -> None:

@@ -405,3 +405,59 @@ def test_editing_param_groups_gradients_under_o2_names_master_params():
                 param.grad /= 2
     with pytest.warns(UserWarning, match=r"iterate amp.master_params\(optimizer\) instead"):
         optimizer.step()
+
+
+def test_master_params_between_delayed_micro_batches_leaves_the_accumulation_alone():
+    """apex's accumulation (delay_unscale=True on all micro-batches but the last) with a norm
+    logged per micro-batch over amp.master_params: it unscaled after the first micro-batch and
+    every later scale_loss refused, naming unscale_ (an audit). As under apex, it does not
+    unscale after a delayed block; the result equals the same run without the logging."""
+
+    def train(log_norms):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        batches = data(6, 4)
+        for i, (x, y) in enumerate(batches):
+            last = i % 3 == 2
+            with amp.scale_loss(F.mse_loss(model(x).float(), y), opt, delay_unscale=not last) as s:
+                s.backward()
+            if log_norms or last:
+                norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e9)
+                assert torch.isfinite(norm)
+            if last:
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_block_that_raises_after_its_backward_leaves_its_gradients_scaled():
+    """The "log the error, go on" habit: a backward inside scale_loss, then the block raises,
+    the script catches it and steps. The gradients (at the loss scale) were taken as unscaled:
+    an update 65536 times too large (an audit). They are the block's now: step() unscales them,
+    and the step equals the same one without the error."""
+
+    def train(fail):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+        x, y = data(1, 4)[0]
+        try:
+            with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+                if fail:
+                    raise RuntimeError("a logging call failed")
+        except RuntimeError:
+            pass
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()], distamp.stats(opt)
+
+    (failed, stats), (clean, _) = train(True), train(False)
+    assert not stats.last_step_skipped
+    for a, b in zip(failed, clean, strict=True):
+        assert torch.equal(a, b)

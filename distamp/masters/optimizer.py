@@ -92,6 +92,9 @@ class AmpOptimizerState:
         self.backward_since_step = False
         """A backward accumulated into a model gradient since the last step() (set by
         :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
+        self.delayed_unscale = False
+        """The last ``scale_loss`` block listing this optimizer had ``delay_unscale=True``: apex's
+        accumulation micro-batch, after which ``amp.master_params`` does not unscale."""
         self.watches_backward = False
         self.watched: set[int] = set()
         """ids of the parameters :func:`watch_backward` hooked."""
@@ -306,7 +309,11 @@ class AmpOptimizer(torch.optim.Optimizer):
                 st.group.after_skip(st)
             else:
                 st.group.unscaled_skips = 0  # see ScalerGroup.after_skip
-                _step_and_copy(self, st)
+                try:
+                    _step_and_copy(self, st)
+                except BaseException:
+                    st.steps -= not placeholder  # (a step pre-hook raised: no step was taken)
+                    raise
         finally:
             st.in_step = False
             st.reset()

@@ -592,8 +592,41 @@ class ScalerGroup:
         for block in st.backwards:
             if st in block.users:
                 block.users.remove(st)
+        dropped = [b for b in self._open if not b.users]
         self._open = [b for b in self._open if b.users]
+        self._back_off_for_discarded(dropped)
         self.update_finished_losses()
+
+    def _back_off_for_discarded(self, dropped: list[Backward]) -> None:
+        """[Note: a batch discarded after an overflow] The scale stays where it was for a batch
+        thrown away after ``unscale_`` (a spiked norm, a NaN loss), as torch.amp's does without
+        ``update()``. But a batch whose *scaled* gradients overflowed (its loss finite, on every
+        rank: the decision's evidence says) is the scale's fault: the apex/nanoGPT habit ``if
+        not isfinite(clip_grad_norm_(...)): zero_grad(); continue`` then discarded every batch
+        at a scale that never backed off, forever, silently (an audit; apex backed off when the
+        block ended). Such a discard backs off, and counts towards max_consecutive_skips."""
+        for j in sorted(
+            {
+                b.loss_id
+                for b in dropped
+                if b.overflow is not None
+                and bool(b.overflow)
+                and (b.report is None or b.report.loss_id is None)
+            }
+        ):
+            scaler = self.scalers[j]
+            scaler.update(True)
+            limit = self.props.max_consecutive_skips
+            if scaler.consecutive_skips >= limit or scaler.skipped_at_floor:
+                report = next((b.report for b in dropped if b.report is not None), None)
+                raise NonFiniteGradientError(
+                    f"loss {j}: {scaler.consecutive_skips} consecutive batches were discarded "
+                    "(their gradients cleared after the skip decision) with overflowing "
+                    f"gradients and a finite loss: {report or 'non-finite gradients'}; the loss "
+                    f"scale is {scaler.scale:g}. Lowering it does not fix this: look for a "
+                    "NaN/inf produced by the forward or backward pass "
+                    "(max_consecutive_skips / min_loss_scale set this limit)"
+                )
 
     def refuse_wrapped_before_init(self) -> None:
         """Wrapped with no process group up (a LightningModule's ``__init__``, a script that

@@ -176,3 +176,55 @@ def test_a_discard_on_one_rank_only_raises_on_every_rank_instead_of_hanging(only
     for message in run_ranks(_discard_on_one_rank, 2, only_block, timeout=90):
         assert message is not None
         assert "same number of scale_loss blocks" in message and counts in message
+
+
+def _discard_when_the_norm_is_not_finite(rank, world, level):
+    """apex/nanoGPT's habit: skip the step yourself when the clipped norm is not finite. The
+    loss is scaled up so that its scaled fp16 gradients overflow at the first loss scales (one
+    rank's more than the other's), not at lower ones."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    model, opt = distamp.wrap(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    forward = DDP(model) if world > 1 else model
+    log = []
+    for x, y in _batches(10, 4 * world):
+        x, y = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
+        loss = F.mse_loss(forward(x).float(), y) * (400.0 if rank == world - 1 else 40.0)
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        distamp.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        discard = not torch.isfinite(norm)
+        if not discard:
+            opt.step()
+        opt.zero_grad()
+        log.append((discard, distamp.stats(opt).loss_scales[0]))
+    return log
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_batches_discarded_for_overflow_back_the_scale_off(world):
+    """The scale stayed at 2**16 and every batch was discarded, forever, silently (an audit):
+    a discard whose loss was finite backs off as a skipped step would, on every rank alike,
+    until the batches fit, and then training steps."""
+    results = run_ranks(_discard_when_the_norm_is_not_finite, world, "O2", timeout=120)
+    log = results[0]
+    assert log[0][0] and not all(d for d, _ in log), log  # discards first, then steps
+    # each discard halves the scale (as a skipped step would), each step keeps it
+    discards = [sum(d for d, _ in log[: i + 1]) for i in range(len(log))]
+    assert [s for _, s in log] == [2.0 ** (16 - n) for n in discards], log
+    assert all(r == log for r in results), results
+
+
+def test_discarding_overflowing_batches_forever_raises_naming_it():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", max_consecutive_skips=3, verbosity=0)
+    with pytest.raises(distamp.NonFiniteGradientError, match=r"3 consecutive batches were disc"):
+        for x, y in _batches(6, 4):
+            with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            model[0].weight.grad[0, 0] = float("inf")  # a backward that makes an inf
+            distamp.unscale_(opt)
+            opt.zero_grad()

@@ -200,7 +200,8 @@ def __getattr__(name: str) -> Any:
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """The FP32 tensors ``optimizer`` steps, with their *unscaled* gradients.
+    """The FP32 tensors ``optimizer`` steps, with their *unscaled* gradients (after a block with
+    ``delay_unscale=True``, as under apex, their gradients are not brought up to date).
 
     apex unscaled into the masters when ``scale_loss`` ended, and scripts clip here:
     ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)``. distamp unscales
@@ -217,7 +218,10 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
                 "(the global norm), or leave shard_master_weights off as apex did",
                 stacklevel=2,
             )
-        if inner._distamp.state is OptState.SCALED:
+        if inner._distamp.state is OptState.SCALED and not inner._distamp.delayed_unscale:
+            # After a block with delay_unscale=True (apex's accumulation micro-batch) apex left
+            # the masters' gradients alone; unscaling here decided the step mid-accumulation and
+            # the next scale_loss refused to run (an audit: a norm logged per micro-batch).
             unscale_(inner)
     return iter([p for group in optimizer.param_groups for p in group["params"]])
 

@@ -115,9 +115,10 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
             )
         if wrapper is not None:
             raise ValueError(
-                f"{where}: distamp.wrap must be called before DistributedDataParallel/"
-                f"DataParallel/FSDP, but found {wrapper}; call distamp.wrap(model, optimizer) on "
-                "the plain model first, then wrap the result with DDP/FSDP"
+                f"{where}: distamp.wrap (or amp.initialize, which runs it) must be called "
+                f"before DistributedDataParallel/DataParallel/FSDP, but found {wrapper}; call it "
+                "on the plain model first (distamp.wrap(model, optimizer)), then wrap the result "
+                "with DDP/FSDP"
             )
         floating = 0
         all_meta = meta_ok and all(p.is_meta for p in model.parameters() if p.is_floating_point())

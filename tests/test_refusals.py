@@ -152,7 +152,7 @@ def _wrap_after_ddp(rank, world):
 
 def test_wrap_after_ddp_is_refused():
     ((message, dtype),) = run_ranks(_wrap_after_ddp, 1)
-    assert "distamp.wrap must be called before DistributedDataParallel" in message
+    assert "distamp.wrap (or amp.initialize, which runs it) must be called before" in message
     assert "found DistributedDataParallel (the model)" in message
     assert dtype == torch.float32
 

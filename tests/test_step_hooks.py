@@ -83,3 +83,27 @@ def test_a_post_hook_sees_the_stepped_weights_across_ranks():
         for rank, steps in enumerate(run_ranks(_seen_by_hooks, 2, CONFIGS[name])):
             for step, (moved, pre, post, glob) in enumerate(steps):
                 assert moved and pre and post and glob, (name, rank, step, (pre, post, glob))
+
+
+def test_a_step_pre_hook_that_raises_is_not_counted_as_a_step():
+    """An audit: the update was not applied, yet stats().steps counted it."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    fail = [True]
+
+    def pre(*_):
+        if fail.pop():
+            raise RuntimeError("a pre-hook failed")
+
+    opt.register_step_pre_hook(pre)
+    fail.insert(0, False)
+    for _ in range(2):
+        with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+        try:
+            opt.step()
+        except RuntimeError:
+            pass
+        opt.zero_grad()
+    assert distamp.stats(opt).steps == 1

@@ -179,3 +179,34 @@ def test_ddp_over_subgroups_of_the_sharded_group_is_refused_at_the_first_step(op
     for message in run_ranks(_ddp_on_subgroups_without_register, 4, opt_level, timeout=180):
         assert message is not None and "expected the model's gradients identical" in message
         assert "ranks [0, 1, 2, 3]" in message and "another process group" in message
+
+
+def _register_with_another_group_than_ddps(rank, world, opt_level):
+    """Two replicas, over {0, 1} and {2, 3}: wrap and DDP on the pair, the hook given the world."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    model = mlp()
+    model, opt = distamp.wrap(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level=opt_level,
+        process_group=pair,
+        verbosity=0,
+    )
+    ddp = DDP(model, process_group=pair)
+    try:
+        distamp.hooks.register(ddp, opt, process_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_hook_group_other_than_ddps_is_refused(opt_level):
+    """The hook all-reduced over all 4 ranks: the two replicas' gradients averaged together,
+    silently (an audit)."""
+    results = run_ranks(_register_with_another_group_than_ddps, 4, opt_level, timeout=180)
+    for rank, message in enumerate(results):
+        pair = [0, 1] if rank < 2 else [2, 3]
+        assert message is not None and f"(ranks {pair}, DDP's process_group)" in message, message
+        assert "found ranks [0, 1, 2, 3]" in message, message

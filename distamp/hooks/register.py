@@ -52,6 +52,9 @@ def register(
     (a weight norm logged after ``step()``, an EMA over ``model.parameters()``) need
     ``state.finish_gather()`` first.
 
+    ``process_group``: the group the hook's collectives run on; default (and the only ranks
+    accepted) DDP's — another group of the same ranks keeps the hook's traffic apart.
+
     ``gather_dtype=torch.bfloat16`` (FP32 weights sharded: O0/O1 wrapped with
     ``shard_master_weights=True``) all-gathers each step's weight updates rounded to bf16 instead
     of the FP32 weights: half the bytes of the gather, the FP32 weights still identical on every
@@ -114,6 +117,17 @@ def register(
             "the model distamp.wrap returned with this optimizer"
         )
     group = process_group if process_group is not None else ddp_model.process_group
+    if process_group is not None and sorted(_ranks(process_group)) != sorted(
+        _ranks(ddp_model.process_group)
+    ):
+        # An audit: replicas over [0, 1] and [2, 3], the hook given the world group: it
+        # averaged the two replicas' gradients together, silently.
+        raise ValueError(
+            f"distamp.hooks.register: process_group: expected a group of the ranks DDP reduces "
+            f"over (ranks {_ranks(ddp_model.process_group)}, DDP's process_group), found ranks "
+            f"{_ranks(process_group)}: the hook would mix other replicas' gradients in. Leave "
+            "process_group out (the hook uses DDP's), or pass another group of the same ranks"
+        )
     # Arguments read per rank (reduce_scatter=(rank == 0)) hung the first backward: one rank
     # reduce-scattered while the other all-reduced (an audit).
     check_same_on_all_ranks(

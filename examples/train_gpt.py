@@ -322,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.ckpt_dir is not None:
         check_ckpt_dir(parser, args.ckpt_dir)
-    check_resume(parser, args.resume)
+    check_resume(parser, args)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.fail_at_step < 0:
@@ -371,13 +371,39 @@ def add_check_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_resume(parser: argparse.ArgumentParser, resume: str) -> None:
+def check_resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--resume is 'auto', 'none' or an existing checkpoint folder, checked before any process
-    group or model: a typo used to fail only in load_checkpoint."""
+    group or model: a typo used to fail only in load_checkpoint. The checkpoint it names (or
+    auto finds) is read, and an --opt-level or --half-dtype it cannot be loaded with refused:
+    both failed on every rank with exit code 1 (an audit), which torchrun --max-restarts and a
+    Slurm requeue retried."""
+    resume = args.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         parser.error(
             f"--resume {resume}: expected 'auto', 'none' or a checkpoint folder, found "
             + ("a file" if Path(resume).exists() else "nothing at that path")
+        )
+    if resume == "none" or (resume == "auto" and args.ckpt_dir is None):
+        return
+    try:
+        path = find_resume(args)
+        if path is None:
+            return
+        info = distamp.checkpoint.inspect(path)
+    except distamp.checkpoint.CheckpointError as exc:
+        parser.error(f"--resume {resume}: {exc}")
+    level = info.get("opt_level")
+    if args.opt_level not in ("auto", level):
+        parser.error(
+            f"--opt-level {args.opt_level}: the checkpoint resumed from ({path}) was saved at "
+            f"{level}; expected --opt-level {level} (or auto, which keeps it), or --resume none"
+        )
+    half = saved_precision(path)[1]
+    if half is not None and args.half_dtype not in ("auto", half):
+        parser.error(
+            f"--half-dtype {args.half_dtype}: the checkpoint resumed from ({path}) holds {half} "
+            f"weights ({level}); expected --half-dtype {half} (or auto, which keeps it), or "
+            "--resume none"
         )
 
 
@@ -681,15 +707,19 @@ def job_has_bf16() -> bool:
     return units
 
 
-def saved_opt_level(resume: str | None) -> str | None:
-    """The opt_level a checkpoint was saved with (None: no checkpoint, or one that says none)."""
+def saved_precision(resume: str | None) -> tuple[str | None, str | None]:
+    """(opt_level, half dtype of the cast weights: 'fp16'/'bf16', None at O0/O1) a checkpoint
+    was saved with (None, None: no checkpoint, or one that says none)."""
     if resume is None:
-        return None
+        return None, None
     try:
-        level = distamp.checkpoint.inspect(resume)["opt_level"]
-    except (OSError, ValueError, KeyError, distamp.checkpoint.CheckpointError):
-        return None  # load_checkpoint names what is wrong with it
-    return level if level in ("O0", "O1", "O2", "O3") else None
+        info = distamp.checkpoint.inspect(resume)
+        level = info["opt_level"]
+        cast = info["properties"].get("cast_model_type")
+    except (OSError, ValueError, KeyError, AttributeError, distamp.checkpoint.CheckpointError):
+        return None, None  # load_checkpoint names what is wrong with it
+    half = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(cast))
+    return (level if level in ("O0", "O1", "O2", "O3") else None), half
 
 
 def pick_opt_level(
@@ -702,6 +732,7 @@ def pick_opt_level(
     comm_hook: bool = True,
     bf16_units: bool | None = None,
     resume_level: str | None = None,
+    resume_half: str | None = None,
 ) -> tuple[str, str]:
     """(opt_level, why) for --opt-level auto: the fastest correct configuration for the machine
     (README, "distamp and its peers": measured side by side) at ``world_size`` DDP ranks, or
@@ -709,17 +740,40 @@ def pick_opt_level(
     says what goes on the wire: distamp's hooks, or DDP's own all-reduce (``comm_hook`` off).
     ``bf16_units``: the job's (:func:`job_has_bf16`; default: this CPU's). ``resume_level``: the
     opt_level of the checkpoint the run resumes from, which auto keeps (a requeue onto another
-    CPU kind could not load it otherwise: load_checkpoint refuses another opt_level)."""
+    CPU kind could not load it otherwise: load_checkpoint refuses another opt_level);
+    ``resume_half``: its cast weights' dtype ('fp16'/'bf16'), which the run keeps."""
     if requested != "auto":
         return requested, ""
     if resume_level is not None and device.type != "cuda":
-        units = resume_level == "O2" if resume_level in ("O0", "O2") else bf16_units
         level, why = pick_opt_level(
-            "auto", device, half_dtype, world_size, fsdp=fsdp, comm_hook=comm_hook, bf16_units=units
+            "auto",
+            device,
+            half_dtype,
+            world_size,
+            fsdp=fsdp,
+            comm_hook=comm_hook,
+            bf16_units=bf16_units,
         )
-        if level == resume_level:
+        half = resume_half or half_dtype
+        if level == resume_level and half != "fp16":
             return level, why.replace("(auto: ", "(auto: as the checkpoint resumed from; ", 1)
-        return resume_level, " (auto: the level of the checkpoint resumed from)"
+        # The checkpoint's level, not this CPU's pick: its reasons were another machine's (an
+        # audit: "this CPU has bf16 units" printed on a CPU without them).
+        layout = ""
+        if resume_level == "O0" and world_size > 1 and comm_hook and not fsdp:
+            layout = (
+                "; FP32 weights and optimizer state sharded across ranks, gradients "
+                "reduce-scattered in bf16, updates gathered in bf16 while the next forward runs"
+            )
+        units = cpu_has_bf16() if bf16_units is None else bf16_units
+        slow = ""
+        if resume_level != "O0" and (half == "fp16" or not units):
+            slow = (
+                f"; {'fp16' if half == 'fp16' else 'bf16'} matmul runs ~100x slower than "
+                "FP32 on this CPU (--resume none, or --opt-level O0 with another --ckpt-dir, "
+                "trains in FP32)"
+            )
+        return resume_level, f" (auto: the level of the checkpoint resumed from{layout}{slow})"
     if fsdp:
         zero = f"FSDP2 shards the FP32 parameters and AdamW state over {world_size} rank(s)"
     elif world_size > 1 and comm_hook:
@@ -1028,6 +1082,7 @@ def main() -> int:
 
     asked = args.opt_level
     resume_from = find_resume(args)
+    resume_level, resume_half = saved_precision(resume_from)
     args.opt_level, why = pick_opt_level(
         args.opt_level,
         device,
@@ -1035,8 +1090,14 @@ def main() -> int:
         world_size,
         comm_hook=args.comm_hook,
         bf16_units=job_has_bf16() if asked == "auto" else None,
-        resume_level=saved_opt_level(resume_from),
+        resume_level=resume_level,
+        resume_half=resume_half,
     )
+    if args.half_dtype == "auto" and resume_half is not None:
+        # The checkpoint's cast weights decide (an audit: a run trained with --half-dtype fp16,
+        # resumed with the defaults, built bf16 weights and every rank refused the checkpoint —
+        # under --max-restarts, at every attempt).
+        args.half_dtype = resume_half
     if args.shard_weights and args.opt_level in ("O2", "O3") and is_main:
         print(
             f"note: --shard-weights has nothing to do: --opt-level {asked} picked "

@@ -43,7 +43,7 @@ from train_gpt import (
     load_stdlib_bytes,
     lr_lambda,
     pick_opt_level,
-    saved_opt_level,
+    saved_precision,
     setup_distributed,
 )
 
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
         )
     if args.ckpt_dir is not None:  # before training, not at the save after it (an audit)
         check_ckpt_dir(parser, args.ckpt_dir)
-    check_resume(parser, args.resume)
+    check_resume(parser, args)
     check_progress_arguments(parser, args, run_name=f"gpt-fsdp-{args.size}")
     return args
 
@@ -113,6 +113,7 @@ def main() -> int:
     resume = args.resume if args.resume not in ("auto", "none") else None
     if args.resume == "auto" and args.ckpt_dir is not None:
         resume = distamp.latest_checkpoint(args.ckpt_dir)  # the newest *complete* one, or None
+    resume_level, resume_half = saved_precision(resume)
     opt_level, why = pick_opt_level(
         args.opt_level,
         device,
@@ -120,8 +121,11 @@ def main() -> int:
         world,
         fsdp=True,
         bf16_units=job_has_bf16() if args.opt_level == "auto" else None,
-        resume_level=saved_opt_level(resume),
+        resume_level=resume_level,
+        resume_half=resume_half,
     )
+    if args.half_dtype == "auto" and resume_half is not None:
+        args.half_dtype = resume_half  # the checkpoint's cast weights decide (see train_gpt.py)
     half = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16}[args.half_dtype]
 
     torch.manual_seed(0)

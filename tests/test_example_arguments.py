@@ -142,3 +142,45 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path, c
     again = hold_run_dirs(args, 0, torch.device("cpu"))  # released with its file
     assert len(again) == 1
     again[0].close()
+
+
+def test_a_checkpoint_the_flags_cannot_load_is_refused_before_training(tmp_path, capsys):
+    """Trained with --opt-level O2 --half-dtype fp16, resumed with the defaults: auto kept O2
+    but built bf16 weights, and every rank refused the checkpoint with exit code 1 — at every
+    attempt under --max-restarts; --resume at the folder of checkpoints likewise (an audit).
+    The checkpoint's half dtype is kept by auto; flags it cannot load with exit 2 at once."""
+    import torch
+    from train_gpt import pick_opt_level, saved_precision
+
+    import distamp
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = distamp.wrap(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+    with distamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(tmp_path / "step_000002", model, opt, extra={"step": 2})
+    common = ["--ckpt-dir", str(tmp_path), "--run-dir", "none"]
+    for flags, message in (
+        (["--half-dtype", "bf16"], "holds fp16 weights (O2); expected --half-dtype fp16"),
+        (["--opt-level", "O1"], "was saved at O2; expected --opt-level O2 (or auto"),
+        (["--resume", str(tmp_path)], "expected a committed distamp checkpoint"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(common + flags)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, flags
+    assert parse_args(common + ["--half-dtype", "fp16"]).half_dtype == "fp16"
+    assert saved_precision(str(tmp_path / "step_000002")) == ("O2", "fp16")
+    level, why = pick_opt_level(
+        "auto",
+        torch.device("cpu"),
+        "auto",
+        2,
+        bf16_units=True,
+        resume_level="O2",
+        resume_half="fp16",
+    )
+    assert level == "O2" and "bf16 units" not in why, why
+    assert "the level of the checkpoint resumed from" in why and "fp16 matmul runs" in why, why

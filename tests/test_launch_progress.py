@@ -307,9 +307,14 @@ def test_auto_is_one_level_for_the_whole_job_and_keeps_the_checkpoint_s(tmp_path
     assert pick_opt_level("auto", cpu, "auto", 2, bf16_units=True)[0] == "O2"
     level, why = pick_opt_level("auto", cpu, "auto", 2, bf16_units=False)
     assert level == "O0" and "sharded" in why
-    for saved, units in (("O2", False), ("O0", True)):
+    for saved, units in (("O2", True), ("O0", False)):
         level, why = pick_opt_level("auto", cpu, "auto", 2, bf16_units=units, resume_level=saved)
         assert level == saved and "as the checkpoint resumed from" in why, why
+    for saved, units in (("O2", False), ("O0", True)):  # another CPU kind than the checkpoint's
+        level, why = pick_opt_level("auto", cpu, "auto", 2, bf16_units=units, resume_level=saved)
+        assert level == saved and "(auto: the level of the checkpoint resumed from" in why, why
+        assert ("sharded" in why) == (saved == "O0"), why  # auto's O0 layout across ranks
+        assert ("bf16 matmul runs ~100x slower" in why) == (saved == "O2"), why
     assert pick_opt_level("auto", cpu, "auto", 2, bf16_units=True, resume_level="O1") == (
         "O1",
         " (auto: the level of the checkpoint resumed from)",

@@ -319,3 +319,50 @@ def test_clip_grad_norm_takes_torchs_error_if_nonfinite_and_foreach(level):
     assert torch.isinf(distamp.clip_grad_norm_(opt, 0.1))  # the default: no error
     opt.step()
     assert distamp.stats(opt).last_step_skipped
+
+
+def test_lightnings_gradient_clip_val_over_masters_is_warned_once():
+    """Lightning's gradient_clip_val clips optimizer.param_groups inside the step's closure,
+    before step() gives the FP32 masters their gradients: under O2 only the norm layers were
+    clipped, silently (an audit: 0.31 off FP32's weights). Lightning's closure is read
+    duck-typed (``partial(Precision._wrap_closure, module, optimizer, closure)``; the real one
+    was checked by hand, Lightning is not a test dependency); an override of
+    configure_gradient_clipping (the README's recipe) is not warned about."""
+    import functools
+    import warnings
+
+    class LightningModule(torch.nn.Module):  # stands for Lightning's base class
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **_):
+            pass
+
+    class Clipping(LightningModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **_):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+    class Trainer:
+        gradient_clip_val = 0.5
+
+    def messages(module_class, opt_level):
+        module = module_class()
+        module.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        module.net, opt = distamp.wrap(module.net, opt, opt_level=opt_level, verbosity=0)
+        module._trainer = Trainer()
+
+        def closure():
+            loss = module.net(torch.randn(2, 4)).float().sum()
+            loss.backward()
+            return loss
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.step(functools.partial(lambda m, o, c: c(), module, opt, closure))
+                opt.zero_grad()
+        return [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)]
+
+    (message,) = messages(LightningModule, "O2")
+    assert "gradient_clip_val=0.5 clips optimizer.param_groups" in message
+    assert "the FP32 norm layers only" in message and "configure_gradient_clipping" in message
+    assert messages(Clipping, "O2") == []
+    assert messages(LightningModule, "O1") == []  # the optimizer steps the model's parameters

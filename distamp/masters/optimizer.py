@@ -70,6 +70,7 @@ class AmpOptimizerState:
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.warned_unscaled_step = False
+        self.warned_lightning_clip = False
         self.grad_scaler: weakref.ref[Any] | None = None
         """The ``distamp.GradScaler`` that unscales and decides for this optimizer (O0/O1 without
         scale_loss): its scale is the one in use, and its skips are this optimizer's."""
@@ -244,6 +245,9 @@ class AmpOptimizer(torch.optim.Optimizer):
             # Lightning steps every optimizer this way (a no-op closure under manual
             # optimization; training_step + backward under automatic); refusing it locked
             # Lightning out (an audit). LBFGS, which calls it again, is refused at wrap.
+            st = self._distamp
+            if not st.warned_lightning_clip and not _steps_the_models_own_params(st):
+                _warn_lightning_clip_over_masters(closure, st)
             with torch.enable_grad():
                 loss = closure()
         st = self._distamp
@@ -273,7 +277,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             _refuse_a_second_step_on_the_same_gradients(st)
             placeholder = _torch_state_init_step(self)
             driven = st.grad_scaler is not None and st.grad_scaler() is not None
-            if not st.warned_unscaled_step and not placeholder and not driven:
+            props = st.group.props
+            # Scale 1.0 is right for bf16 (FP32's range) and O0: the warning fired on every
+            # correct bf16 recipe of the Trainer, accelerate and Lightning (an audit).
+            fp16 = props.half_dtype == torch.float16 and props.opt_level != "O0"
+            if not st.warned_unscaled_step and not placeholder and not driven and fp16:
                 _warn(
                     "optimizer.step() without distamp.scale_loss(): the gradients are taken as "
                     "unscaled (scale 1.0); use scale_loss so the dynamic loss scale applies. "
@@ -525,6 +533,34 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.skipped_steps = int(extra["skipped_steps"])
         st.masters.copy_to_model()
         st.masters.restored = True  # see [Note: loading weights into the masters]
+
+
+def _warn_lightning_clip_over_masters(closure: Any, st: AmpOptimizerState) -> None:
+    """Lightning's ``gradient_clip_val`` clips ``optimizer.param_groups`` inside the step's
+    closure, before ``step()`` gives the masters their gradients: under O2 it clipped the FP32
+    norm layers only, with sharded FP32 weights nothing — silently, the final weights 0.31 off
+    FP32's with the same clip (an audit). Its closure (``partial(Precision._wrap_closure,
+    module, ...)``) is read duck-typed, nothing of Lightning imported; warned once, unless the
+    module overrides ``configure_gradient_clipping`` (the README's recipe)."""
+    args = getattr(closure, "args", None)
+    module = args[0] if isinstance(args, tuple) and args else None
+    clip = getattr(getattr(module, "_trainer", None), "gradient_clip_val", None)
+    if not clip or module is None:
+        return
+    owner = next(
+        (c for c in type(module).__mro__ if "configure_gradient_clipping" in vars(c)), None
+    )
+    if owner is None or owner.__name__ != "LightningModule":
+        return  # overridden: the user clips
+    st.warned_lightning_clip = True
+    _warn(
+        f"Lightning's gradient_clip_val={clip} clips optimizer.param_groups inside the step's "
+        "closure, before step() gives the FP32 masters their gradients: it would clip "
+        f"{'nothing (sharded FP32 weights)' if st.masters.sharded else 'the FP32 norm layers only'}"
+        ". Expected configure_gradient_clipping overridden in the LightningModule with "
+        "torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val) (README, 'Inside "
+        "Lightning'), and gradient_clip_val kept for it"
+    )
 
 
 def _steps_the_models_own_params(st: AmpOptimizerState) -> bool:

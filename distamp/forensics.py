@@ -163,8 +163,18 @@ def read_evidence(
         where, kind = divmod(grad_code, 3)
         index_part, rank_part = divmod(where, world)
         index = count - index_part
+        entries = named_grads()
+        # Ranks may list different parameters (distamp.GradScaler over a pipeline's stages):
+        # every rank decodes the same index, which only the rank that holds it can name; an
+        # IndexError there raised on one rank while the others went on (an audit).
+        name = (
+            entries[index][0]
+            if 0 <= index < len(entries)
+            else f"parameter #{index} of rank {world - 1 - rank_part}'s (this rank lists "
+            f"{len(entries)})"
+        )
         return NonFiniteReport(
-            param=named_grads()[index][0],
+            param=name,
             rank=world - 1 - rank_part,
             kind="nan" if kind == 2 else "inf",
             on_every_rank=world > 1 and highest == index,

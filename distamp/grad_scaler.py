@@ -36,6 +36,10 @@ from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import inner_optimizer
 from .scaler import LossScaler
 
+EVIDENCE_COUNT = 1 << 30
+"""The parameter count the evidence is coded with: the same on every rank (ranks may hold
+different optimizers: a pipeline's stages), far above any optimizer's, exact in float64."""
+
 MIN_SCALE = 2.0**-100
 """The scale's floor: ``1 / scale`` multiplies the gradients in FP32, so it must stay finite
 (2**128 is not). torch's scaler has none: its scale halves forever on a persistent NaN."""
@@ -190,10 +194,14 @@ class GradScaler:
         rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
         st = _distamp_state(optimizer)
 
-        def named() -> list[tuple[str, torch.Tensor | None]]:
-            return _named_grads(optimizer, st)
+        which = f"{type(optimizer).__name__} #{len(self._per_optimizer)}"  # this iteration's
 
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        def named() -> list[tuple[str, torch.Tensor | None]]:
+            return _named_grads(optimizer, st, which)
+
+        # One count on every rank, whatever each rank's optimizer holds (the evidence is coded
+        # with it, and MAX-reduced: see forensics.local_evidence).
+        count = EVIDENCE_COUNT
         evidence = local_evidence(flag, [], count, named, rank, world)
         # [found inf, this rank has no gradient, which gradient]: one MAX all-reduce decides
         # all three on every rank (see [Note: the evidence rides with the decision]).
@@ -377,13 +385,18 @@ def _checked(name: str, value: float, *, low: float, high: float = float("inf"))
 
 
 def _named_grads(
-    optimizer: torch.optim.Optimizer, st: Any
+    optimizer: torch.optim.Optimizer, st: Any, which: str
 ) -> list[tuple[str, torch.Tensor | None]]:
     """(name, grad) of the optimizer's parameters in order: the model's names for an optimizer
-    ``wrap`` returned, else their place in ``param_groups``."""
+    ``wrap`` returned, else their place in ``param_groups`` of the ``which``-th optimizer
+    unscaled this iteration."""
     names = st.group.param_names if st is not None else {}
     return [
-        (names.get(id(p)) or f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})", p.grad)
+        (
+            names.get(id(p))
+            or f"{which} param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})",
+            p.grad,
+        )
         for g, group in enumerate(optimizer.param_groups)
         for i, p in enumerate(group["params"])
     ]

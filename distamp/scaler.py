@@ -346,6 +346,10 @@ class ScalerGroup:
         self.optimizers: list[AmpOptimizerState] = []
         self._open: list[Backward] = []
         """Blocks whose loss scaler has not been updated yet."""
+        self._discarded_overflow: set[int] = set()
+        """Losses whose discarded blocks overflowed while other blocks of theirs stayed open:
+        their one update this step is an overflow (see [Note: a batch discarded after an
+        overflow])."""
         self.total_skips = 0
         self.loss_skips = 0
         """Skips whose loss itself was non-finite (logged on their own count)."""
@@ -604,7 +608,10 @@ class ScalerGroup:
         rank: the decision's evidence says) is the scale's fault: the apex/nanoGPT habit ``if
         not isfinite(clip_grad_norm_(...)): zero_grad(); continue`` then discarded every batch
         at a scale that never backed off, forever, silently (an audit; apex backed off when the
-        block ended). Such a discard backs off, and counts towards max_consecutive_skips."""
+        block ended). Such a discard backs off, and counts towards max_consecutive_skips —
+        once per step: while other blocks of the loss are open (a second optimizer's), their
+        update, at their step or discard, carries it (an audit: two optimizers discarding one
+        loss's batch halved its scale twice)."""
         for j in sorted(
             {
                 b.loss_id
@@ -614,6 +621,10 @@ class ScalerGroup:
                 and (b.report is None or b.report.loss_id is None)
             }
         ):
+            if any(b.loss_id == j for b in self._open):
+                self._discarded_overflow.add(j)
+                continue
+            self._discarded_overflow.discard(j)
             scaler = self.scalers[j]
             scaler.update(True)
             limit = self.props.max_consecutive_skips
@@ -1015,7 +1026,9 @@ class ScalerGroup:
         for loss_id, scaler in enumerate(self.scalers):
             mine = [b for b in self._open if b.loss_id == loss_id]
             if mine and all(b.overflow is not None for b in mine):
-                scaler.update(any(bool(b.overflow) for b in mine))
+                discarded = loss_id in self._discarded_overflow
+                self._discarded_overflow.discard(loss_id)
+                scaler.update(discarded or any(bool(b.overflow) for b in mine))
                 self._open = [b for b in self._open if b.loss_id != loss_id]
 
     def after_skip(self, st: AmpOptimizerState) -> None:

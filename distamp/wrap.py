@@ -903,7 +903,7 @@ def scale_loss(
             # the error and steps anyway (the "log the OOM, go on" habit) had them taken as
             # unscaled: an update 65536 times too large (an audit). They are recorded as this
             # block's, so step() unscales them; zero_grad() discards them as usual.
-            group.finish_backward(loss_id, states, scale, None)
+            group.finish_backward(loss_id, states, scale, loss)
             group.reached_unlisted(foreign, loss_id, scale)
         raise
     reached, foreign = _close_block(states, others, before)

@@ -228,3 +228,29 @@ def test_discarding_overflowing_batches_forever_raises_naming_it():
             model[0].weight.grad[0, 0] = float("inf")  # a backward that makes an inf
             distamp.unscale_(opt)
             opt.zero_grad()
+
+
+@pytest.mark.parametrize("second", ["discards", "steps"])
+def test_a_discard_by_two_optimizers_of_one_loss_backs_off_once(second):
+    """Two models, two optimizers, each its own block of loss 0, both overflowing: discarding
+    both (or one, the other stepping) halved the scale twice per batch, and the limit came at
+    half of max_consecutive_skips (an audit)."""
+    torch.manual_seed(0)
+    a, b = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    (a, b), (o1, o2) = distamp.wrap([a, b], opts, opt_level="O1", verbosity=0)
+    scales = []
+    for x, y in _batches(3, 4):
+        for model, opt in ((a, o1), (b, o2)):
+            with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            model[0].weight.grad[0, 0] = float("inf")
+            distamp.unscale_(opt)
+        o1.zero_grad()
+        if second == "discards":
+            o2.zero_grad()
+        else:
+            o2.step()
+            o2.zero_grad()
+        scales.append(distamp.stats(o1).loss_scales[0])
+    assert scales == [2.0**15, 2.0**14, 2.0**13]

@@ -200,7 +200,9 @@ def test_a_persistent_nan_on_one_rank_raises_on_every_rank_naming_it(wrapped):
     then torch's "value cannot be converted to type float without overflow", naming nothing."""
     results = run_ranks(_persistent_nan_on_one_rank, 2, wrapped, timeout=120)
     name = (
-        "'0.weight'" if wrapped else r"\"param_groups\[0\]\['params'\]\[0\] \(shape \(16, 8\)\)\""
+        "'0.weight'"
+        if wrapped
+        else r"\"SGD #0 param_groups\[0\]\['params'\]\[0\] \(shape \(16, 8\)\)\""
     )
     for iterations, message, scale in results:
         assert iterations == 5, results
@@ -210,6 +212,38 @@ def test_a_persistent_nan_on_one_rank_raises_on_every_rank_naming_it(wrapped):
             message,
         ), message
         assert scale == 2.0**11
+
+
+def _stages_of_other_sizes(rank, world):
+    """A pipeline's stages under one GradScaler over the world: rank 0's optimizer holds 2
+    parameters, rank 1's 6; rank 1's fifth gradient is NaN at every iteration."""
+    torch.manual_seed(rank)
+    stage = torch.nn.Linear(4, 4)
+    if rank == 1:
+        stage = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    scaler = distamp.GradScaler(max_consecutive_skips=2)
+    try:
+        for _ in range(3):
+            scaler.scale(stage(torch.randn(2, 4)).sum()).backward()
+            if rank == 1:
+                list(stage.parameters())[4].grad.view(-1)[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    except distamp.NonFiniteGradientError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_whose_optimizers_hold_other_parameter_counts_raise_together():
+    """The evidence was coded with each rank's own count: rank 0 raised IndexError decoding it
+    while rank 1 went on to its next collective (an audit)."""
+    first, second = run_ranks(_stages_of_other_sizes, 2, timeout=120)
+    assert second is not None, second
+    assert "SGD #0 param_groups[0]['params'][4] (shape (4, 4))" in second, second
+    assert "on rank 1" in second, second
+    assert first is not None and "parameter #4 of rank 1's (this rank lists 2)" in first, first
 
 
 def test_the_scale_stops_at_a_floor_whose_inverse_is_finite():

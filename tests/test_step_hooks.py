@@ -107,3 +107,17 @@ def test_a_step_pre_hook_that_raises_is_not_counted_as_a_step():
             pass
         opt.zero_grad()
     assert distamp.stats(opt).steps == 1
+
+
+def test_a_step_post_hook_that_raises_still_counts_the_step_it_follows():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    opt.register_step_post_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("post failed")))
+    before = model.weight.detach().clone()
+    with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="post failed"):
+        opt.step()
+    assert not torch.equal(model.weight, before)
+    assert distamp.stats(opt).steps == 1

@@ -71,6 +71,7 @@ class AmpOptimizerState:
         self.last_step_skipped = False
         self.warned_unscaled_step = False
         self.warned_lightning_clip = False
+        self.inner_stepped = False
         self.grad_scaler: weakref.ref[Any] | None = None
         """The ``distamp.GradScaler`` that unscales and decides for this optimizer (O0/O1 without
         scale_loss): its scale is the one in use, and its skips are this optimizer's."""
@@ -320,7 +321,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 try:
                     _step_and_copy(self, st)
                 except BaseException:
-                    st.steps -= not placeholder  # (a step pre-hook raised: no step was taken)
+                    if not st.inner_stepped:  # (a step pre-hook raised: no step was taken)
+                        st.steps -= not placeholder
                     raise
         finally:
             st.in_step = False
@@ -1107,18 +1109,22 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
 def _step_and_copy(optimizer: AmpOptimizer, st: AmpOptimizerState) -> None:
     """The inner optimizer's step over the masters, then the updated weights into the model,
     with the step hooks around both (see [Note: step hooks see the new weights] in rounds.py)."""
+    st.inner_stepped = False  # set once the inner step returned (a pre-hook may raise first)
     in_rounds = round_step(optimizer, st.masters)
     if in_rounds is not None:  # see [Note: the step in rounds]
         step_in_rounds(optimizer, st.masters, in_rounds)  # type: ignore[arg-type]
+        st.inner_stepped = True
         return
     step = unhooked_step(optimizer)
     if step is None:  # a torch that keeps its hooks elsewhere: its own runner fires them
         super(AmpOptimizer, optimizer).step()
+        st.inner_stepped = True
         st.masters.copy_to_model(after_step=True)
         return
 
     def step_then_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         step(*args, **kwargs)
+        st.inner_stepped = True
         st.masters.copy_to_model(after_step=True)
 
     with_step_hooks(optimizer, step_then_copy)

@@ -171,7 +171,7 @@ def test_a_checkpoint_the_flags_cannot_load_is_refused_before_training(tmp_path,
             parse_args(common + flags)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, flags
-    assert parse_args(common + ["--half-dtype", "fp16"]).half_dtype == "fp16"
+    assert parse_args([*common, "--half-dtype", "fp16"]).half_dtype == "fp16"
     assert saved_precision(str(tmp_path / "step_000002")) == ("O2", "fp16")
     level, why = pick_opt_level(
         "auto",

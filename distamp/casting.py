@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .config import Properties
+from .config import Properties, warn_from_caller
 
 CASTS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("distamp_casts_off", default=False)
 """[Note: casts turned off around a call] True inside apex's ``with amp.disable_casts():``. apex's
@@ -682,3 +682,49 @@ def data_parallel_wrapper_name(model: nn.Module) -> str | None:
                 where = "the model" if not name else f"submodule {name!r}"
                 return f"{wrapper.__name__} ({where})"
     return None
+
+
+def warn_about_plan(
+    models: list[nn.Module],
+    plan: PrecisionPlan,
+    props: Properties,
+    api: str = "distamp.wrap",
+) -> None:
+    """Warn once about what the plan decided that a user would not expect (``api``: the call
+    that cast, also ``distamp.fsdp.fully_shard``, which takes no keep_fp32_modules)."""
+    keep = "list its module in keep_fp32_modules" if api == "distamp.wrap" else "train O1"
+    for param, kept_by, module in plan.shared:
+        warn_from_caller(
+            f"distamp.wrap: parameter {param!r} is shared by {kept_by!r}, which stays FP32, and "
+            f"{module!r}: one precision per parameter, so {module!r} runs in FP32 too",
+        )
+    if plan.half_dtype is None or not props.keep_batchnorm_fp32:
+        return
+    cast = [  # the buffers cast with their module's parameters, by name
+        (f"{prefix}{'.' if prefix else ''}{name}", buf)
+        for model in models
+        for prefix, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and id(buf) in plan.cast_buffers
+    ]
+    lossy = [n for n, b in cast if not torch.equal(b.to(plan.half_dtype).to(b.dtype), b)]
+    scalars = [n for n, b in cast if b.dim() == 0]
+    if scalars:  # (an audit: a step counter cast unchanged at 0 stopped at 256, no warning)
+        integers = round(2 / torch.finfo(plan.half_dtype).eps)  # 256 in bf16, 2048 in fp16
+        warn_from_caller(
+            f"{api}: scalar buffer(s) {scalars[:3]}"
+            f"{f' and {len(scalars) - 3} more' if len(scalars) > 3 else ''} cast to "
+            f"{plan.half_dtype} with their module's parameters: a counter or running total "
+            f"there stops counting exactly past {integers} (x += 1 stays at {integers}). If one "
+            f"is, hold it in a module without parameters (kept FP32), {keep}, or make it an "
+            "integer buffer",
+        )
+    if lossy:
+        more = f" and {len(lossy) - 3} more" if len(lossy) > 3 else ""
+        warn_from_caller(
+            f"{api}: buffer(s) {lossy[:3]}{more} lost precision when cast to "
+            f"{plan.half_dtype} with their module's parameters. If one is a derived table "
+            "(rotary inv_freq or cos/sin, position encodings), keep it FP32: hold it in a module "
+            "without parameters (distamp keeps those FP32, as Hugging Face's rotary embedding "
+            f"does) or {keep}",
+        )

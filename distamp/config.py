@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -357,3 +359,20 @@ def resolve_properties(
 def disabled_properties(optimizer: object) -> Properties | None:
     """The Properties ``optimizer`` was wrapped with under ``enabled=False``; None otherwise."""
     return getattr(optimizer, DISABLED_ATTR, None)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_from_caller(message: str, *skipped_dirs: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside distamp (and ``skipped_dirs``):
+    the user's line. A fixed stacklevel pointed into distamp whenever another of its functions
+    was in between (``amp.initialize`` runs ``wrap``: an audit saw wrap's warnings reported at
+    distamp/amp.py), and Python's default filter then keyed them to distamp's line."""
+    prefixes = tuple(d + os.sep for d in (_PACKAGE_DIR, *skipped_dirs))
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, stacklevel=level)

@@ -43,7 +43,7 @@ from .collectives import (
     check_same_on_all_ranks,
     checks_on_every_rank,
 )
-from .config import DISABLED_ATTR, HALF_DTYPES, Properties, resolve_properties
+from .config import DISABLED_ATTR, HALF_DTYPES, Properties, resolve_properties, warn_from_caller
 from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
@@ -290,12 +290,36 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
     if blocks is None:
         in_lists = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
         chosen = lambda m: id(m) in in_lists and not isinstance(m, nn.ModuleList)  # noqa: E731
+        if not in_lists:
+            _warn_blocks_in_a_sequential(model)
     elif callable(blocks) and not isinstance(blocks, (list, tuple)):
         chosen = blocks
     else:
         classes = tuple(blocks)
         chosen = lambda m: isinstance(m, classes)  # noqa: E731
     return [m for m in _post_order(model) if m is not model and chosen(m)]
+
+
+def _warn_blocks_in_a_sequential(model: nn.Module) -> None:
+    """Blocks in an ``nn.Sequential`` (timm's ViT ``blocks``, torchvision's ResNet layers) are not
+    FSDP units by default: the model was one unit, every forward gathering all of its weights
+    — the lowest-memory property lost, silently (an audit). Named, with ``blocks=``."""
+    for name, seq in model.named_modules():
+        kinds = {type(child) for child in seq.children()}
+        if (
+            isinstance(seq, nn.Sequential)
+            and len(seq) > 1
+            and len(kinds) == 1
+            and any(True for _ in seq[0].parameters())
+        ):
+            (kind,) = kinds
+            warn_from_caller(
+                f"distamp.fsdp.fully_shard: found no nn.ModuleList of blocks (the default FSDP "
+                f"units), so the model is one unit and every forward gathers all of its "
+                f"weights; {name or 'the model'!r} is an nn.Sequential of {len(seq)} "
+                f"{kind.__name__}: expected blocks=[{kind.__name__}] to shard per block"
+            )
+            return
 
 
 def _post_order(root: nn.Module) -> list[nn.Module]:
@@ -385,6 +409,12 @@ def fully_shard(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, AmpOptimizer) and optimizer._distamp.masters.fsdp:
+        raise ValueError(  # (an audit: the message below told them to call this very function)
+            "distamp.fsdp.fully_shard: this optimizer (and its model) went through "
+            "distamp.fsdp.fully_shard already; expected it once per model: use the model and "
+            "optimizer the first call returned"
         )
     wrapper = casting.data_parallel_wrapper_name(model)
     if wrapper is not None:
@@ -499,6 +529,9 @@ def fully_shard(
         # bf16 score plus an FP32 mask promoted to FP32 and met the next bf16 weight: "expected
         # scalar type Float but found BFloat16" at the first forward, under FSDP only (an audit).
         plan = casting.plan_precision([model], props)
+        # The buffers cast with their module's weights are named, as wrap names them (an audit:
+        # a position table stopped at 256 under FSDP, silently; torch's FSDP2 casts none).
+        casting.warn_about_plan([model], plan, props, api="distamp.fsdp.fully_shard")
         casting.cast_tensors(model, dataclasses.replace(plan, cast_params=frozenset()))
     _set_forward_classes(model, props, device_type)
     model = apply(model, props)

@@ -36,6 +36,7 @@ from .config import (
     disabled_properties,
     parse_bool,
     resolve_properties,
+    warn_from_caller,
 )
 from .forensics import NonFiniteReport
 from .masters.base import MasterWeights, local_tensor
@@ -181,7 +182,7 @@ def wrap(
             _refuse_script_modules(model_list, props)
     check_same_on_all_ranks("distamp.wrap", facts, group)
     broadcast_from_rank0_(_states_of(model_list), group)
-    _warn_about_plan(model_list, plan, props)
+    casting.warn_about_plan(model_list, plan, props)
     _warn_about_eps(opt_list, props)
     _warn_about_state_before_wrap(opt_list, props)
     if opt_list and props.master_weights:
@@ -194,11 +195,10 @@ def wrap(
             if id(p) in cast_ids and not p.is_contiguous()
         ]
         if strided:
-            warnings.warn(
+            warn_from_caller(
                 f"distamp.wrap: sharded masters keep the weights as contiguous views of one flat "
                 f"buffer, so {strided[:3]}{' and others' if len(strided) > 3 else ''} lose their "
                 "memory format (channels_last); shard_master_weights=False keeps it",
-                stacklevel=2,
             )
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group, fp32_weights=not props.master_weights)
@@ -351,15 +351,14 @@ def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) 
                 "its step, but sharded masters cut parameters into flat slices; expected "
                 "shard_master_weights=False with an optimizer wrapper"
             )
-        warnings.warn(
+        warn_from_caller(
             f"distamp.wrap: shard_master_weights=True with {name}, which is not one of torch's "
             "per-parameter optimizers: its step sees flat slices of this rank's shard, not whole "
             "parameters, which trains like replicated masters only if it treats every element "
             "on its own (LAMB, LARS, Adafactor do not)",
-            stacklevel=3,
         )
         return props
-    warnings.warn(
+    warn_from_caller(
         f"distamp.wrap: {' and '.join(all_names)} {'is' if len(all_names) == 1 else 'are'} not "
         "among torch's per-parameter optimizers, so a step may read whole parameters (norms, "
         "trust ratios, factored moments, sparse gradients) that sharded masters would cut into "
@@ -367,7 +366,6 @@ def _shard_or_replicate(props: Properties, given: list[Any], *, explicit: bool) 
         f"every optimizer wrapped with {'it' if len(all_names) == 1 else 'them'} "
         f"({len(given)} in all; shard_master_weights=True shards them if each step treats "
         "every element on its own)",
-        stacklevel=3,
     )
     return dataclasses.replace(props, shard_master_weights=False)
 
@@ -408,12 +406,11 @@ def _unscale_before_wrapper_steps(wrapper: Any) -> None:
     try:
         wrapper.__class__ = _wrapper_class(type(wrapper))
     except TypeError:  # a class whose instances cannot change class (slots, extension types)
-        warnings.warn(
+        warn_from_caller(
             f"scale_loss: the optimizer wrapper {type(wrapper).__name__} was built around the "
             "optimizer distamp.wrap returned, and its step() may read gradients still multiplied "
             "by the loss scale; expected the wrapper handed to distamp.wrap (apex's order: "
             "wrapper first, then initialize)",
-            stacklevel=4,
         )
 
 
@@ -442,12 +439,11 @@ def _warn_about_state_before_wrap(
         return
     for i, opt in enumerate(optimizers):
         if any(_stepped_state(state) for state in opt.state.values()):
-            warnings.warn(
+            warn_from_caller(
                 f"distamp.wrap: optimizers[{i}] has state already ({len(opt.state)} "
                 "parameters): if it was loaded from a state dict distamp saved, load that after "
                 "wrap instead (or use distamp.load_checkpoint) — torch's own load_state_dict "
                 "drops its FP32 masters, loss scalers and step counters",
-                stacklevel=3,
             )
 
 
@@ -471,12 +467,11 @@ def _warn_about_eps(
         for g, group in enumerate(opt.param_groups):
             eps = group.get("eps")
             if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=torch.float16) == 0:
-                warnings.warn(
+                warn_from_caller(
                     f"{what}: optimizer {i} param_groups[{g}]['eps'] = {eps:g} rounds to 0 in "
                     f"float16, which opt_level {props.opt_level} steps the weights in (no FP32 "
                     "masters): expected eps >= 6e-8 (1e-4 is common for fp16 Adam), or O2 (FP32 "
                     "masters), or bf16",
-                    stacklevel=3,
                 )
                 return
 
@@ -503,58 +498,13 @@ def _warn_about_cast_params_no_optimizer_holds(
                 lost.append(names.get(id(param), "?"))
     if lost:
         more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
-        warnings.warn(
+        warn_from_caller(
             f"distamp.wrap(opt_level={props.opt_level!r}): parameter(s) {lost[:3]}{more} are "
             f"cast to {plan.half_dtype} but held by no optimizer passed to wrap, so no FP32 "
             "master keeps their FP32 values (a consolidated checkpoint widens the rounded "
             "ones). Expected every parameter in an optimizer (frozen ones too: they get masters "
             "and are not stepped), or their modules in keep_fp32_modules to keep them FP32; "
             "if the rounded values are fine (a frozen backbone), ignore this",
-            stacklevel=3,
-        )
-
-
-def _warn_about_plan(
-    models: list[nn.Module], plan: casting.PrecisionPlan, props: Properties
-) -> None:
-    """Warn once about what the plan decided that a user would not expect."""
-    for param, kept_by, module in plan.shared:
-        warnings.warn(
-            f"distamp.wrap: parameter {param!r} is shared by {kept_by!r}, which stays FP32, and "
-            f"{module!r}: one precision per parameter, so {module!r} runs in FP32 too",
-            stacklevel=3,
-        )
-    if plan.half_dtype is None or not props.keep_batchnorm_fp32:
-        return
-    cast = [  # the buffers cast with their module's parameters, by name
-        (f"{prefix}{'.' if prefix else ''}{name}", buf)
-        for model in models
-        for prefix, module in model.named_modules()
-        for name, buf in module._buffers.items()
-        if buf is not None and id(buf) in plan.cast_buffers
-    ]
-    lossy = [n for n, b in cast if not torch.equal(b.to(plan.half_dtype).to(b.dtype), b)]
-    scalars = [n for n, b in cast if b.dim() == 0]
-    if scalars:  # (an audit: a step counter cast unchanged at 0 stopped at 256, no warning)
-        integers = round(2 / torch.finfo(plan.half_dtype).eps)  # 256 in bf16, 2048 in fp16
-        warnings.warn(
-            f"distamp.wrap: scalar buffer(s) {scalars[:3]}"
-            f"{f' and {len(scalars) - 3} more' if len(scalars) > 3 else ''} cast to "
-            f"{plan.half_dtype} with their module's parameters: a counter or running total "
-            f"there stops counting exactly past {integers} (x += 1 stays at {integers}). If one "
-            "is, hold it in a module without parameters (kept FP32), list its module in "
-            "keep_fp32_modules, or make it an integer buffer",
-            stacklevel=3,
-        )
-    if lossy:
-        more = f" and {len(lossy) - 3} more" if len(lossy) > 3 else ""
-        warnings.warn(
-            f"distamp.wrap: buffer(s) {lossy[:3]}{more} lost precision when cast to "
-            f"{plan.half_dtype} with their module's parameters. If one is a derived table "
-            "(rotary inv_freq or cos/sin, position encodings), keep it FP32: hold it in a module "
-            "without parameters (distamp keeps those FP32, as Hugging Face's rotary embedding "
-            "does) or list its module in keep_fp32_modules",
-            stacklevel=3,
         )
 
 

@@ -461,3 +461,17 @@ def test_a_block_that_raises_after_its_backward_leaves_its_gradients_scaled():
     assert not stats.last_step_skipped
     for a, b in zip(failed, clean, strict=True):
         assert torch.equal(a, b)
+
+
+def test_warnings_of_amp_initialize_point_at_the_callers_line():
+    """wrap's warnings used a fixed stacklevel: through amp.initialize they were reported at
+    distamp/amp.py (an audit), and Python's once-per-location filter keyed them there."""
+    import warnings
+
+    model = mlp()
+    opt = torch.optim.SGD(list(model.parameters())[2:], lr=0.1)  # the first layer left out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    (warning,) = [w for w in caught if "held by no optimizer" in str(w.message)]
+    assert warning.filename == __file__

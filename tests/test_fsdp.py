@@ -319,6 +319,15 @@ def wrong_orders(rank, world):
         messages["loss_id past num_losses"] = None
     except ValueError as exc:
         messages["loss_id past num_losses"] = str(exc)
+    model = Net()
+    model, opt = distamp.fsdp.fully_shard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0
+    )
+    try:
+        distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+        messages["fully_shard twice"] = None
+    except ValueError as exc:
+        messages["fully_shard twice"] = str(exc)
     return messages
 
 
@@ -329,6 +338,39 @@ def test_wrong_order_is_refused_clearly():
     assert "sharded with FSDP after distamp.wrap" in messages["wrap then fsdp"]
     assert "needs a GPU" in messages["fsdp1 on cpu"]
     assert "pass num_losses to distamp.fsdp.fully_shard" in messages["loss_id past num_losses"]
+    # (an audit: it said to call distamp.fsdp.fully_shard instead of torch's)
+    assert "went through distamp.fsdp.fully_shard already" in messages["fully_shard twice"]
+
+
+class _Positions(nn.Module):
+    """A position table on a module with weights: cast with them under O2 (as wrap casts it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("pos", torch.arange(300.0))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _lossy_buffer(rank, world):
+    import warnings
+
+    model = nn.Sequential(_Positions(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+    return [str(w.message) for w in caught if "lost precision" in str(w.message)]
+
+
+def test_a_buffer_fully_shard_casts_with_its_weights_is_named_as_wrap_names_it():
+    """A position table stopped at 256 under FSDP O2 without a word, while wrap warns (an
+    audit); the advice fits fully_shard, which takes no keep_fp32_modules."""
+    (message,) = run_ranks(_lossy_buffer, 2)[0]
+    assert message.startswith("distamp.fsdp.fully_shard: buffer(s) ['0.pos'] lost precision")
+    assert "keep_fp32_modules" not in message and "train O1" in message
 
 
 def _tied(tie):
@@ -824,3 +866,32 @@ def test_o0_o1_checkpoints_of_sharded_fp32_weights_load_under_fsdp(tmp_path, opt
     for name, per in state.items():  # the flat layout's FP32 copy is the weight (FSDP: no copy)
         assert torch.equal(per.pop("master"), consolidate(saved)[name]), name
     assert_same(consolidate_optimizer_state(resaved), state, "state")
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+def _blocks_in_a_sequential(rank, world, blocks):
+    import warnings
+
+    model = nn.Sequential(nn.Sequential(*(_Block() for _ in range(3))), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distamp.fsdp.fully_shard(model, opt, opt_level="O0", blocks=blocks, verbosity=0)
+    return [(str(w.message), w.filename) for w in caught if "no nn.ModuleList" in str(w.message)]
+
+
+def test_blocks_in_a_sequential_are_named_with_blocks_to_pass():
+    """timm's ViT holds its blocks in an nn.Sequential: the model was one FSDP unit, every
+    forward gathering all of its weights, silently (an audit)."""
+    ((message, filename),) = run_ranks(_blocks_in_a_sequential, 2, None)[0]
+    assert "'0' is an nn.Sequential of 3 _Block: expected blocks=[_Block]" in message
+    assert filename == __file__
+    assert run_ranks(_blocks_in_a_sequential, 2, [_Block])[0] == []

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import required
 
 from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
-from ..config import HALF_DTYPES
+from ..config import HALF_DTYPES, warn_from_caller
 from ..forensics import NonFiniteGradientError, NonFiniteReport
 from ..optstate import OptState
 from .base import grad_version, local_tensor
@@ -590,7 +588,6 @@ def _warn_scale_starts_afresh(st: AmpOptimizerState) -> None:
         )
 
 
-_DISTAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_OPTIM_DIR = os.path.dirname(os.path.abspath(torch.optim.__file__))
 
 
@@ -601,14 +598,7 @@ def _warn(message: str) -> None:
     silently dropped there, among them the one for a clip of still-scaled gradients that left
     an fp16 model untrained (an audit). A fixed stacklevel cannot know how many wrappers the
     caller added."""
-    frame = sys._getframe(1)
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(
-        (_DISTAMP_DIR + os.sep, _TORCH_OPTIM_DIR + os.sep)
-    ):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    warnings.warn(message, stacklevel=level)
+    warn_from_caller(message, _TORCH_OPTIM_DIR)
 
 
 def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:

@@ -908,6 +908,34 @@ class HistoryOptimizer(torch.optim.Optimizer):
                 p.add_(state["avg"], alpha=-group["lr"])
 
 
+def _fixed_size_state_sharded(rank, world, directory):
+    model = Net()
+    opt = HistoryOptimizer(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # wrap's: not one of torch's per-parameter optimizers
+        model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=True)
+    ddp = DDP(model)
+    x, y = batch(0, rank, world)
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    try:
+        distamp.save_checkpoint(directory, model, opt)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_fixed_size_state_of_sharded_masters_is_refused_at_save(tmp_path):
+    """A (3,) history per slice of sharded masters was saved and read back into other slices'
+    places, silently (an audit): refused on every rank before anything is written."""
+    for message in run_ranks(_fixed_size_state_sharded, 2, str(tmp_path / "c"), timeout=120):
+        assert message is not None and "optimizer state 'hist' of " in message, message
+        assert "is a tensor of shape (3,) on a slice of shape" in message, message
+        assert "shard_master_weights=False" in message
+    assert not (tmp_path / "c").exists()
+
+
 def build_variant(variant):
     """(models, optimizers) as the user holds them after wrap, for one configuration."""
     if variant == "two models":

@@ -298,6 +298,16 @@ def flat_state(
                             layout.shard_size, dtype=value.dtype, device=device
                         )
                     pieces[key][a:b] = value.detach()
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    # A user's optimizer with fixed-size state (a (3,) history) on sharded
+                    # masters: read back into other slices' places, silently (an audit).
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of {flat.names[index]!r} is a tensor of shape "
+                        f"{tuple(value.shape)} on a slice of shape {tuple(chunk.shape)}: "
+                        "expected state shaped like its (sharded) parameter, or 0-dim scalars; "
+                        f"{type(opt).__name__} keeps other state, so wrap it with "
+                        "shard_master_weights=False"
+                    )
                 else:
                     scalars.setdefault(key, [None] * n)[index] = _plain_scalar(value)
         return pieces, scalars, has

@@ -125,7 +125,8 @@ def register(
         raise ValueError(
             f"distamp.hooks.register: process_group: expected a group of the ranks DDP reduces "
             f"over (ranks {_ranks(ddp_model.process_group)}, DDP's process_group), found ranks "
-            f"{_ranks(process_group)}: the hook would mix other replicas' gradients in. Leave "
+            f"{_ranks(process_group)}: the hook would reduce over other ranks than DDP's "
+            "(mixing in other replicas' gradients, or leaving some of DDP's ranks out). Leave "
             "process_group out (the hook uses DDP's), or pass another group of the same ranks"
         )
     # Arguments read per rank (reduce_scatter=(rank == 0)) hung the first backward: one rank

@@ -346,6 +346,8 @@ class ScalerGroup:
         self.optimizers: list[AmpOptimizerState] = []
         self._open: list[Backward] = []
         """Blocks whose loss scaler has not been updated yet."""
+        self.warned_extra_keys: set[tuple[Any, ...]] = set()
+        """save_checkpoint's ``extra`` keys found different across ranks, warned about once."""
         self._discarded_overflow: set[int] = set()
         """Losses whose discarded blocks overflowed while other blocks of theirs stayed open:
         their one update this step is an overflow (see [Note: a batch discarded after an

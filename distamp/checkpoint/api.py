@@ -295,13 +295,20 @@ def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> N
     differ = [
         k for k in keys if any(not plain_equal(e.get(k), gathered[0].get(k)) for e in gathered)
     ]
-    if differ:
+    # Rank 0 only, once per key set and wrap: every rank at every save repeated it (an audit:
+    # nanoGPT's best_val_loss; DCP's own warning filters reset Python's once-per-line memory).
+    group = target.scaler_group
+    seen = getattr(group, "warned_extra_keys", None) if group is not None else None
+    if differ and target.rank == 0 and (seen is None or tuple(differ) not in seen):
+        if seen is not None:
+            seen.add(tuple(differ))
         warnings.warn(
             f"save_checkpoint: extra is saved once, from rank 0; expected it the same on every "
-            f"rank, found {differ[:4]}{' and more' if len(differ) > 4 else ''} different "
-            f"(this is rank {target.rank}): every rank gets rank 0's back from load_checkpoint. "
-            "Keep per-rank state under a key per rank (extra={'loader': {rank: state, ...}} "
-            "gathered with all_gather_object), or in a file of its own",
+            f"rank, found {differ[:4]}{' and more' if len(differ) > 4 else ''} different: "
+            "every rank gets rank 0's back from load_checkpoint. Reduce a per-rank metric "
+            "across ranks first (a validation loss: dist.all_reduce), keep per-rank state under "
+            "a key per rank (extra={'loader': {rank: state, ...}} gathered with "
+            "all_gather_object), or in a file of its own",
             stacklevel=3,
         )
 

@@ -695,7 +695,7 @@ def warn_about_plan(
     keep = "list its module in keep_fp32_modules" if api == "distamp.wrap" else "train O1"
     for param, kept_by, module in plan.shared:
         warn_from_caller(
-            f"distamp.wrap: parameter {param!r} is shared by {kept_by!r}, which stays FP32, and "
+            f"{api}: parameter {param!r} is shared by {kept_by!r}, which stays FP32, and "
             f"{module!r}: one precision per parameter, so {module!r} runs in FP32 too",
         )
     if plan.half_dtype is None or not props.keep_batchnorm_fp32:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -372,7 +373,10 @@ def warn_from_caller(message: str, *skipped_dirs: str) -> None:
     prefixes = tuple(d + os.sep for d in (_PACKAGE_DIR, *skipped_dirs))
     frame = sys._getframe(1)
     level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(prefixes)
+        or frame.f_code.co_filename == contextlib.__file__  # scale_loss is a context manager
+    ):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, stacklevel=level)

@@ -142,11 +142,13 @@ def read_evidence(
     *,
     reduced_from: int | None = None,
     fsdp: bool = False,
+    own_rank: int | None = None,
 ) -> NonFiniteReport | None:
     """The report the MAX-reduced :func:`local_evidence` of every rank names (None: nothing).
     ``named_grads()`` entries from ``reduced_from`` on are reduced gradients (see
     ``ShardedMasterParams.reduced_grads``); under ``fsdp`` every gradient is a shard FSDP
-    reduced."""
+    reduced. ``own_rank``: where ranks list other parameters (distamp.GradScaler over a
+    pipeline's stages), only the culprit rank names its own; None: every rank lists the same."""
     loss_code, grad_code, highest = (int(v) for v in evidence)
     if loss_code:
         blocks = max(1, len(loss_ids))
@@ -167,11 +169,12 @@ def read_evidence(
         # Ranks may list different parameters (distamp.GradScaler over a pipeline's stages):
         # every rank decodes the same index, which only the rank that holds it can name; an
         # IndexError there raised on one rank while the others went on (an audit).
+        culprit = world - 1 - rank_part
+        mine = own_rank is None or own_rank == culprit  # ranks listing the same parameters
         name = (
             entries[index][0]
-            if 0 <= index < len(entries)
-            else f"parameter #{index} of rank {world - 1 - rank_part}'s (this rank lists "
-            f"{len(entries)})"
+            if mine and 0 <= index < len(entries)
+            else f"parameter #{index} of rank {culprit}'s optimizer"
         )
         return NonFiniteReport(
             param=name,

@@ -311,13 +311,15 @@ def _warn_blocks_in_a_sequential(model: nn.Module) -> None:
             and len(seq) > 1
             and len(kinds) == 1
             and any(True for _ in seq[0].parameters())
+            and any(True for _ in seq[0].children())  # blocks, not a stack of Linear layers
         ):
             (kind,) = kinds
             warn_from_caller(
                 f"distamp.fsdp.fully_shard: found no nn.ModuleList of blocks (the default FSDP "
                 f"units), so the model is one unit and every forward gathers all of its "
                 f"weights; {name or 'the model'!r} is an nn.Sequential of {len(seq)} "
-                f"{kind.__name__}: expected blocks=[{kind.__name__}] to shard per block"
+                f"{kind.__name__}: expected blocks=[{kind.__name__}] to shard per block "
+                "(blocks=() keeps the model one unit, unwarned)"
             )
             return
 

@@ -205,8 +205,15 @@ class GradScaler:
         evidence = local_evidence(flag, [], count, named, rank, world)
         # [found inf, this rank has no gradient, which gradient]: one MAX all-reduce decides
         # all three on every rank (see [Note: the evidence rides with the decision]).
+        listed = float(sum(len(g["params"]) for g in optimizer.param_groups))
+        sizes = torch.tensor([listed, -listed], dtype=torch.float64, device=device)
         flags = torch.cat(
-            [flag.double(), torch.full_like(flag, float(not grads)).double(), evidence.to(device)]
+            [
+                flag.double(),
+                torch.full_like(flag, float(not grads)).double(),
+                evidence.to(device),
+                sizes,  # MAX and -MIN of the parameter counts: equal on every rank?
+            ]
         )
         if group is not None:
             all_reduce_(flags, dist.ReduceOp.MAX, group)
@@ -221,7 +228,16 @@ class GradScaler:
                 f"found none on {where} (run backward on the scaled loss first)"
             )
         self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
-        report = read_evidence(values[2 : 2 + EVIDENCE_SLOTS], [], count, named, world)
+        report = read_evidence(
+            values[2 : 2 + EVIDENCE_SLOTS],
+            [],
+            count,
+            named,
+            world,
+            # where the ranks list other parameters (a pipeline's stages), only the culprit
+            # names its own; where they list as many (DDP), every rank names it
+            own_rank=None if values[-2] == -values[-1] else rank,
+        )
         if report is not None:
             if group is not None and world > 1:  # named by the global rank
                 report = dataclasses.replace(report, rank=dist.get_global_rank(group, report.rank))

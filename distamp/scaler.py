@@ -348,10 +348,10 @@ class ScalerGroup:
         """Blocks whose loss scaler has not been updated yet."""
         self.warned_extra_keys: set[tuple[Any, ...]] = set()
         """save_checkpoint's ``extra`` keys found different across ranks, warned about once."""
-        self._discarded_overflow: set[int] = set()
-        """Losses whose discarded blocks overflowed while other blocks of theirs stayed open:
-        their one update this step is an overflow (see [Note: a batch discarded after an
-        overflow])."""
+        self._discarded_overflow: dict[int, NonFiniteReport | None] = {}
+        """Losses whose discarded blocks overflowed while other blocks of theirs stayed open (and
+        what the decision named): their one update this step is an overflow, counted towards
+        max_consecutive_skips (see [Note: a batch discarded after an overflow])."""
         self.total_skips = 0
         self.loss_skips = 0
         """Skips whose loss itself was non-finite (logged on their own count)."""
@@ -614,32 +614,42 @@ class ScalerGroup:
         once per step: while other blocks of the loss are open (a second optimizer's), their
         update, at their step or discard, carries it (an audit: two optimizers discarding one
         loss's batch halved its scale twice)."""
-        for j in sorted(
-            {
-                b.loss_id
-                for b in dropped
-                if b.overflow is not None
-                and bool(b.overflow)
-                and (b.report is None or b.report.loss_id is None)
-            }
-        ):
+        overflowed = {
+            b.loss_id: b.report
+            for b in dropped
+            if b.overflow is not None
+            and bool(b.overflow)
+            and (b.report is None or b.report.loss_id is None)
+        }
+        # A loss carrying an earlier discard whose last open blocks went undecided too (both
+        # optimizers' batches dropped, one never unscaled): the carried backoff lands now (an
+        # audit: left pending, the scale never moved and the endless loop was back).
+        carried = {b.loss_id for b in dropped if b.loss_id in self._discarded_overflow}
+        for j in sorted(set(overflowed) | carried):
+            report = overflowed.get(j) or self._discarded_overflow.get(j)
             if any(b.loss_id == j for b in self._open):
-                self._discarded_overflow.add(j)
+                self._discarded_overflow[j] = report
                 continue
-            self._discarded_overflow.discard(j)
-            scaler = self.scalers[j]
-            scaler.update(True)
-            limit = self.props.max_consecutive_skips
-            if scaler.consecutive_skips >= limit or scaler.skipped_at_floor:
-                report = next((b.report for b in dropped if b.report is not None), None)
-                raise NonFiniteGradientError(
-                    f"loss {j}: {scaler.consecutive_skips} consecutive batches were discarded "
-                    "(their gradients cleared after the skip decision) with overflowing "
-                    f"gradients and a finite loss: {report or 'non-finite gradients'}; the loss "
-                    f"scale is {scaler.scale:g}. Lowering it does not fix this: look for a "
-                    "NaN/inf produced by the forward or backward pass "
-                    "(max_consecutive_skips / min_loss_scale set this limit)"
-                )
+            self._discarded_overflow.pop(j, None)
+            self.scalers[j].update(True)
+            self._refuse_discarding_forever(j, report)
+
+    def _refuse_discarding_forever(self, j: int, report: NonFiniteReport | None) -> None:
+        """max_consecutive_skips (and the floor) for loss ``j`` after a discarded overflow: the
+        same decision on every rank, so every rank raises."""
+        scaler = self.scalers[j]
+        if scaler.consecutive_skips < self.props.max_consecutive_skips and not (
+            scaler.skipped_at_floor
+        ):
+            return
+        raise NonFiniteGradientError(
+            f"loss {j}: {scaler.consecutive_skips} consecutive batches were discarded or "
+            "skipped (gradients cleared after the skip decision) with overflowing gradients "
+            f"and a finite loss: {report or 'non-finite gradients'}; the loss scale is "
+            f"{scaler.scale:g}. Lowering it does not fix this: look for a NaN/inf produced by "
+            "the forward or backward pass (max_consecutive_skips / min_loss_scale set this "
+            "limit)"
+        )
 
     def refuse_wrapped_before_init(self) -> None:
         """Wrapped with no process group up (a LightningModule's ``__init__``, a script that
@@ -1029,9 +1039,13 @@ class ScalerGroup:
             mine = [b for b in self._open if b.loss_id == loss_id]
             if mine and all(b.overflow is not None for b in mine):
                 discarded = loss_id in self._discarded_overflow
-                self._discarded_overflow.discard(loss_id)
+                report = self._discarded_overflow.pop(loss_id, None)
                 scaler.update(discarded or any(bool(b.overflow) for b in mine))
                 self._open = [b for b in self._open if b.loss_id != loss_id]
+                if discarded:
+                    # (an audit: carried to a clean optimizer's step, the limit was never
+                    # checked, and the scale sank until that optimizer's gradients were 0)
+                    self._refuse_discarding_forever(loss_id, report)
 
     def after_skip(self, st: AmpOptimizerState) -> None:
         """After a skip this optimizer decided: log what the decision named, stop a hopeless loop."""

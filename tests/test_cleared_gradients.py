@@ -254,3 +254,32 @@ def test_a_discard_by_two_optimizers_of_one_loss_backs_off_once(second):
             o2.zero_grad()
         scales.append(distamp.stats(o1).loss_scales[0])
     assert scales == [2.0**15, 2.0**14, 2.0**13]
+
+
+@pytest.mark.parametrize("b_does", ["steps clean", "discards undecided"])
+def test_discards_of_one_optimizer_among_two_count_towards_the_limit(b_does):
+    """One loss, two optimizers. A's batches overflow and are discarded every iteration; B
+    steps clean (the carried backoff was never checked against max_consecutive_skips: the
+    scale sank until B's gradients were 0), or is discarded too without being unscaled (the
+    carried backoff was left pending: the scale never moved). Both raise at the limit now,
+    each iteration backing off once."""
+    torch.manual_seed(0)
+    a, b = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    (a, b), (oa, ob) = distamp.wrap(
+        [a, b], opts, opt_level="O1", max_consecutive_skips=4, verbosity=0
+    )
+    scales = []
+    with pytest.raises(distamp.NonFiniteGradientError, match=r"4 consecutive batches"):
+        for x, y in _batches(8, 4):
+            for model, opt in ((a, oa), (b, ob)):
+                with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+            a[0].weight.grad[0, 0] = float("inf")
+            distamp.unscale_(oa)
+            oa.zero_grad()
+            if b_does == "steps clean":
+                ob.step()
+            ob.zero_grad()
+            scales.append(distamp.stats(oa).loss_scales[0])
+    assert scales == [2.0**15, 2.0**14, 2.0**13], scales

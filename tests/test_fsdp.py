@@ -877,10 +877,11 @@ class _Block(nn.Module):
         return x + self.lin(x)
 
 
-def _blocks_in_a_sequential(rank, world, blocks):
+def _blocks_in_a_sequential(rank, world, blocks, layers=False):
     import warnings
 
-    model = nn.Sequential(nn.Sequential(*(_Block() for _ in range(3))), nn.Linear(8, 1))
+    inner = (nn.Linear(8, 8) for _ in range(3)) if layers else (_Block() for _ in range(3))
+    model = nn.Sequential(nn.Sequential(*inner), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -895,3 +896,5 @@ def test_blocks_in_a_sequential_are_named_with_blocks_to_pass():
     assert "'0' is an nn.Sequential of 3 _Block: expected blocks=[_Block]" in message
     assert filename == __file__
     assert run_ranks(_blocks_in_a_sequential, 2, [_Block])[0] == []
+    # a stack of layers is not blocks (the advice blocks=[Linear] would shard each one)
+    assert run_ranks(_blocks_in_a_sequential, 2, None, True)[0] == []

@@ -392,3 +392,31 @@ def test_an_optimizer_a_framework_prepared_before_wrap_is_refused_naming_the_ord
     assert type(inner) is torch.optim.SGD and all(
         p.dtype == torch.float32 for p in model.parameters()
     )
+
+
+def test_the_warning_for_a_wrapper_built_after_wrap_points_at_scale_loss():
+    """It was reported at contextlib.py (scale_loss is a context manager): Python's default
+    filter then showed it once for every call site of the process (an audit)."""
+    import warnings
+
+    class Slotted:  # a wrapper whose instances cannot change class
+        __slots__ = ("optim",)
+
+        def __init__(self, optim):
+            self.optim = optim
+
+        @property
+        def param_groups(self):
+            return self.optim.param_groups
+
+        def step(self):
+            return self.optim.step()
+
+    model = torch.nn.Linear(4, 4)
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distamp.scale_loss(model(torch.randn(2, 4)).float().sum(), Slotted(opt)) as s:
+            s.backward()
+    (warning,) = [w for w in caught if "was built around the" in str(w.message)]
+    assert warning.filename == __file__

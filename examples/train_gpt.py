@@ -392,13 +392,12 @@ def check_resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         info = distamp.checkpoint.inspect(path)
     except distamp.checkpoint.CheckpointError as exc:
         parser.error(f"--resume {resume}: {exc}")
-    level = info.get("opt_level")
-    if args.opt_level not in ("auto", level):
+    level, half = precision_of(info)
+    if level is not None and args.opt_level not in ("auto", level):
         parser.error(
             f"--opt-level {args.opt_level}: the checkpoint resumed from ({path}) was saved at "
             f"{level}; expected --opt-level {level} (or auto, which keeps it), or --resume none"
         )
-    half = saved_precision(path)[1]
     if half is not None and args.half_dtype not in ("auto", half):
         parser.error(
             f"--half-dtype {args.half_dtype}: the checkpoint resumed from ({path}) holds {half} "
@@ -713,11 +712,15 @@ def saved_precision(resume: str | None) -> tuple[str | None, str | None]:
     if resume is None:
         return None, None
     try:
-        info = distamp.checkpoint.inspect(resume)
-        level = info["opt_level"]
-        cast = info["properties"].get("cast_model_type")
+        return precision_of(distamp.checkpoint.inspect(resume))
     except (OSError, ValueError, KeyError, AttributeError, distamp.checkpoint.CheckpointError):
         return None, None  # load_checkpoint names what is wrong with it
+
+
+def precision_of(info: dict) -> tuple[str | None, str | None]:
+    """:func:`saved_precision` of a checkpoint's ``distamp.checkpoint.inspect`` dict."""
+    level = info["opt_level"]
+    cast = info["properties"].get("cast_model_type")
     half = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(cast))
     return (level if level in ("O0", "O1", "O2", "O3") else None), half
 

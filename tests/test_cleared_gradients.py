@@ -230,22 +230,34 @@ def test_discarding_overflowing_batches_forever_raises_naming_it():
             opt.zero_grad()
 
 
+def _two_models_of_one_loss(**kwargs):
+    """Two models wrapped together, an optimizer each; every block is loss 0."""
+    torch.manual_seed(0)
+    a, b = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    return distamp.wrap([a, b], opts, opt_level="O1", verbosity=0, **kwargs)
+
+
+def _blocks_of_both(a, b, oa, ob, x, y, overflow):
+    """One block per optimizer; the models in ``overflow`` get an inf gradient and their
+    optimizer unscaled (the skip decided), the others stay undecided."""
+    for model, opt in ((a, oa), (b, ob)):
+        with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        if any(model is m for m in overflow):
+            model[0].weight.grad[0, 0] = float("inf")
+            distamp.unscale_(opt)
+
+
 @pytest.mark.parametrize("second", ["discards", "steps"])
 def test_a_discard_by_two_optimizers_of_one_loss_backs_off_once(second):
     """Two models, two optimizers, each its own block of loss 0, both overflowing: discarding
     both (or one, the other stepping) halved the scale twice per batch, and the limit came at
     half of max_consecutive_skips (an audit)."""
-    torch.manual_seed(0)
-    a, b = mlp(), mlp()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
-    (a, b), (o1, o2) = distamp.wrap([a, b], opts, opt_level="O1", verbosity=0)
+    (a, b), (o1, o2) = _two_models_of_one_loss()
     scales = []
     for x, y in _batches(3, 4):
-        for model, opt in ((a, o1), (b, o2)):
-            with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
-                scaled.backward()
-            model[0].weight.grad[0, 0] = float("inf")
-            distamp.unscale_(opt)
+        _blocks_of_both(a, b, o1, o2, x, y, overflow=[a, b])
         o1.zero_grad()
         if second == "discards":
             o2.zero_grad()
@@ -263,20 +275,11 @@ def test_discards_of_one_optimizer_among_two_count_towards_the_limit(b_does):
     scale sank until B's gradients were 0), or is discarded too without being unscaled (the
     carried backoff was left pending: the scale never moved). Both raise at the limit now,
     each iteration backing off once."""
-    torch.manual_seed(0)
-    a, b = mlp(), mlp()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
-    (a, b), (oa, ob) = distamp.wrap(
-        [a, b], opts, opt_level="O1", max_consecutive_skips=4, verbosity=0
-    )
+    (a, b), (oa, ob) = _two_models_of_one_loss(max_consecutive_skips=4)
     scales = []
     with pytest.raises(distamp.NonFiniteGradientError, match=r"4 consecutive batches"):
         for x, y in _batches(8, 4):
-            for model, opt in ((a, oa), (b, ob)):
-                with distamp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
-                    scaled.backward()
-            a[0].weight.grad[0, 0] = float("inf")
-            distamp.unscale_(oa)
+            _blocks_of_both(a, b, oa, ob, x, y, overflow=[a])
             oa.zero_grad()
             if b_does == "steps clean":
                 ob.step()

@@ -103,9 +103,9 @@ class GradScaler:
                 backoff_factor = 0.5
         self._device = device
         self._enabled = bool(enabled)
-        self._scaler = LossScaler(
+        self._scaler = _TorchScale(
             "dynamic",
-            init_scale=float(init_scale),
+            init_scale=_fp32(init_scale),
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
@@ -251,6 +251,9 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
         if not self._enabled:
+            st = _distamp_state(optimizer)
+            if st is not None:  # stats reports the scale in use, 1.0 (an audit: wrap's 65536)
+                st.grad_scaler = weakref.ref(self)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError(
@@ -290,7 +293,7 @@ class GradScaler:
                 raise ValueError(
                     f"GradScaler.update: new_scale must be positive finite, got {value}"
                 )
-            self._scaler.scale = value
+            self._scaler.scale = _fp32(value)
         elif not self._per_optimizer:
             raise AssertionError(
                 "No inf checks were recorded prior to update: expected scaler.step(optimizer) "
@@ -358,7 +361,7 @@ class GradScaler:
             raise ValueError(
                 f"GradScaler.load_state_dict: expected a positive finite scale, got {scale}"
             )
-        self._scaler.scale = scale
+        self._scaler.scale = _fp32(scale)
         tracker = state_dict["_growth_tracker"]
         self._scaler.clean_steps = int(
             tracker.item() if isinstance(tracker, torch.Tensor) else tracker
@@ -390,6 +393,23 @@ class GradScaler:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to FP32, as torch's scaler stores it (a 0-dim FP32 tensor)."""
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
+class _TorchScale(LossScaler):
+    """[Note: torch's FP32 scale] torch.amp.GradScaler keeps its scale in an FP32 tensor: every
+    value set (``init_scale``, ``update(new_scale)``, ``load_state_dict``) and every growth or
+    backoff is rounded to FP32 (its kernel multiplies in double, then stores FP32). Kept as a
+    Python float, a growth factor of 1.1 gave 3.630000000000001 where torch has 3.6299999 and
+    the weights parted from torch's in the 8th digit (an audit); with powers of two (the
+    defaults) both are exact."""
+
+    def rounded(self, scale: float) -> float:
+        return _fp32(scale)
 
 
 def _checked(name: str, value: float, *, low: float, high: float = float("inf")) -> float:

@@ -116,9 +116,10 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
-        """True: a clean step refills the hysteresis (apex, Megatron, DeepSpeed's
-        ``consecutive_hysteresis: true``); False: only a growth does (DeepSpeed's default, so an
-        overflow every other step still walks the scale down)."""
+        """True: a clean step refills the hysteresis (DeepSpeed's ``consecutive_hysteresis:
+        true``); False: only a growth does (DeepSpeed's default and Megatron's, so an overflow
+        every other step still walks the scale down). apex has no hysteresis (``hysteresis=1``,
+        where both are the same)."""
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         if self.dynamic:
@@ -151,6 +152,11 @@ class LossScaler:
             self.dynamic and self.min_loss_scale is not None and self.scale <= self.min_loss_scale
         )
 
+    def rounded(self, scale: float) -> float:
+        """A new scale as this scaler keeps it: a Python float, as apex's (see
+        ``distamp.GradScaler``'s, which keeps torch's FP32)."""
+        return scale
+
     def update(self, overflow: bool) -> None:
         """Advance the scale by one optimizer step; ``overflow`` must be the global decision."""
         if overflow:
@@ -159,14 +165,14 @@ class LossScaler:
             self.skipped_at_floor = self.at_floor
             if not self.dynamic:
                 return
-            # Hysteresis (apex, DeepSpeed, Megatron): the first `hysteresis - 1` overflows in a
+            # Hysteresis (DeepSpeed, Megatron): the first `hysteresis - 1` overflows in a
             # row are tolerated; from then on every overflow backs off, until a clean step.
             self.hysteresis_left = max(0, self.hysteresis_left - 1)
             if self.hysteresis_left == 0:
                 backed_off = self.scale * self.backoff_factor
                 if self.min_loss_scale is not None:
                     backed_off = max(backed_off, self.min_loss_scale)
-                self.scale = backed_off
+                self.scale = self.rounded(backed_off)
             return
         self.consecutive_skips = 0
         if not self.dynamic:
@@ -181,7 +187,9 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
             # Capped at max_loss_scale; a scale above it (loaded from torch's uncapped GradScaler)
             # is kept, never lowered by a growth step.
-            grown = min(self.scale * self.growth_factor, max(self.max_loss_scale, self.scale))
+            grown = self.rounded(
+                min(self.scale * self.growth_factor, max(self.max_loss_scale, self.scale))
+            )
             # Growth never makes the scale non-finite, whatever max_loss_scale is: the scale
             # multiplies an FP32 loss, so it stays a finite FP32 number (at most 2**127).
             if grown <= FP32_MAX:

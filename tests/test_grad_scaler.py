@@ -166,6 +166,33 @@ def test_a_wrapped_o1_optimizer_driven_by_distamp_grad_scaler_reports_its_skips_
     assert scaler.get_scale() == 2.0**15
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_disabled_grad_scaler_on_a_wrapped_optimizer_reports_scale_one(half):
+    """``GradScaler(enabled=args.fp16)`` switched off: the gradients are taken at scale 1.0, so
+    stats says 1.0 (an audit: wrap's unused 65536); at fp16 that is unscaled fp16 training,
+    which step() still warns about."""
+    model = mlp()
+    model, opt = distamp.wrap(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level="O1",
+        half_dtype=half,
+        verbosity=0,
+    )
+    scaler = distamp.GradScaler(enabled=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for x, y in data(2, 4):
+            scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert distamp.stats(opt).loss_scales == (1.0,)
+    assert distamp.stats(opt).steps == 2
+    unscaled = [w for w in seen if "without distamp.scale_loss" in str(w.message)]
+    assert len(unscaled) == (1 if half == torch.float16 else 0), [str(w.message) for w in seen]
+
+
 def _persistent_nan_on_one_rank(rank, world, wrapped):
     """torch.amp + DDP, or wrap O1 + DDP, with distamp.GradScaler; the last rank's first
     weight gradient is NaN at every iteration (after the all-reduce: that rank only)."""

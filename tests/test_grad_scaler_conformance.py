@@ -173,6 +173,37 @@ def test_recipe_matches_torch_bit_for_bit_and_the_unscaled_control(name):
             torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
 
 
+def test_factors_and_scales_that_are_not_powers_of_two_round_like_torchs_fp32_scale():
+    """torch keeps the scale in an FP32 tensor: 1.1 ** k, a backoff of 0.3, ``update(0.1)``,
+    ``init_scale=1000.1`` are each rounded to FP32 (an audit: ours kept float64 and the weights
+    parted from torch's in the 8th digit). (Before its first use torch's ``get_scale`` reports
+    the value as given: its FP32 tensor is made lazily; ours rounds it at once.)"""
+    runs = []
+    for make in (distamp.GradScaler, torch.amp.GradScaler):
+        scaler = make("cpu", init_scale=1000.1, growth_factor=1.1, backoff_factor=0.3)
+        scaler.set_growth_interval(1)
+        scaler.scale(torch.ones(()))  # torch makes its FP32 scale here
+        seen = [scaler.get_scale()]
+        models = plain(scaler, True, skip_iter=2)
+        seen.append(scaler.get_scale())
+        scaler.update(0.1)
+        seen.append(scaler.get_scale())
+        models += plain(scaler, True, skip_iter=1)
+        seen.append(scaler.get_scale())
+        back = make("cpu")
+        back.scale(torch.ones(()))
+        back.load_state_dict({**scaler.state_dict(), "scale": 1234.567})
+        seen.append(back.get_scale())
+        runs.append(
+            (seen, scaler.state_dict(), [p.detach() for m in models for p in m.parameters()])
+        )
+    (seen, state, params), (t_seen, t_state, t_params) = runs
+    assert seen == t_seen and state == t_state, (seen, t_seen)
+    assert seen[0] != 1000.1  # rounded, as torch's
+    for a, b in zip(params, t_params, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_disabled_scaler_is_transparent_like_torch():
     scaler = distamp.GradScaler(enabled=False)
     x = torch.ones(2)

@@ -275,7 +275,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 )
             _refuse_a_second_step_on_the_same_gradients(st)
             placeholder = _torch_state_init_step(self)
-            driven = st.grad_scaler is not None and st.grad_scaler() is not None
+            driver = st.grad_scaler() if st.grad_scaler is not None else None
+            driven = driver is not None and driver.is_enabled()  # a disabled one scales nothing
             props = st.group.props
             # Scale 1.0 is right for bf16 (FP32's range) and O0: the warning fired on every
             # correct bf16 recipe of the Trainer, accelerate and Lightning (an audit).

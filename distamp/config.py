@@ -18,6 +18,10 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 DISABLED_ATTR = "_distamp_disabled"
 """Attribute ``wrap(..., enabled=False)`` sets on each optimizer: its resolved Properties. Every
 other distamp call reads it (through :func:`disabled_properties`) and becomes a no-op."""
+DISABLED_GROUP_ATTR = "_distamp_disabled_group"
+"""Beside it: the process group that call named (``process_group``, or ``fully_shard``'s mesh),
+which the checkpoint functions run over (an audit: they ran over the whole world, and groups
+that saved apart crashed, a one-rank group's save waited for ranks that never came)."""
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 LossScale = float | Literal["dynamic"]
@@ -360,6 +364,18 @@ def resolve_properties(
 def disabled_properties(optimizer: object) -> Properties | None:
     """The Properties ``optimizer`` was wrapped with under ``enabled=False``; None otherwise."""
     return getattr(optimizer, DISABLED_ATTR, None)
+
+
+def mark_disabled(optimizer: object, props: Properties, group: Any) -> None:
+    """What ``enabled=False`` leaves on ``optimizer``: see ``DISABLED_ATTR``."""
+    setattr(optimizer, DISABLED_ATTR, props)
+    setattr(optimizer, DISABLED_GROUP_ATTR, group)
+
+
+def disabled_group(optimizer: object) -> Any:
+    """The process group ``optimizer`` was wrapped on under ``enabled=False`` (None: none named
+    and none initialized then)."""
+    return getattr(optimizer, DISABLED_GROUP_ATTR, None)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

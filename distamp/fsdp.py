@@ -43,7 +43,7 @@ from .collectives import (
     check_same_on_all_ranks,
     checks_on_every_rank,
 )
-from .config import DISABLED_ATTR, HALF_DTYPES, Properties, resolve_properties, warn_from_caller
+from .config import HALF_DTYPES, Properties, mark_disabled, resolve_properties, warn_from_caller
 from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
@@ -516,7 +516,9 @@ def fully_shard(
         return module
 
     if not enabled:
-        return _shard_disabled(model, optimizer, opt_level, props.num_losses, apply, device_type)
+        return _shard_disabled(
+            model, optimizer, opt_level, props.num_losses, apply, device_type, group
+        )
 
     if props.model_is_cast and not props.master_weights:
         # [Note: O3 under FSDP] O3 has no FP32 masters: the weights FSDP shards (and the
@@ -601,6 +603,7 @@ def _shard_disabled(
     num_losses: int,
     apply: Callable[[nn.Module, Properties], nn.Module],
     device_type: str,
+    group: dist.ProcessGroup,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``enabled=False`` (DeepSpeed's ``"fp16": {"enabled": false}``, an AMP=0 switch): FSDP
     in FP32 with no mixed-precision policy, the optimizer torch's own (re-pointed at the
@@ -613,7 +616,7 @@ def _shard_disabled(
     disabled = resolve_properties(
         opt_level, device_type=device_type, enabled=False, num_losses=num_losses
     )
-    setattr(optimizer, DISABLED_ATTR, disabled)
+    mark_disabled(optimizer, disabled, group)
     return model, optimizer
 
 

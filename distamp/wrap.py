@@ -29,11 +29,11 @@ from .checks import (
 )
 from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, checks_on_every_rank
 from .config import (
-    DISABLED_ATTR,
     HALF_DTYPES,
     Properties,
     check_opt_level,
     disabled_properties,
+    mark_disabled,
     parse_bool,
     resolve_properties,
     warn_from_caller,
@@ -129,7 +129,7 @@ def wrap(
             opt_level, device_type=device_type, enabled=False, num_losses=num_losses
         )
         for opt in opt_list:
-            setattr(opt, DISABLED_ATTR, props)
+            mark_disabled(opt, props, group)
         return same_shape(model_list, models, given, optimizers, optimizers is None)
 
     # Every rank learns of a check that failed on one rank only (instead of waiting for it).
@@ -303,10 +303,16 @@ def _check_process_group(group: object) -> dist.ProcessGroup | None:
             "placeholder on the ranks outside it: wrap only on the group's ranks)"
         )
     if not isinstance(group, dist.ProcessGroup):
+        backend = (
+            " (a backend object: torch.distributed's collectives take the ProcessGroup that "
+            "init_process_group and dist.new_group return, not a backend built by hand)"
+            if type(group).__name__.startswith("ProcessGroup")  # ProcessGroupGloo, ...Nccl
+            else ""
+        )
         raise TypeError(
             "distamp.wrap: process_group: expected a torch.distributed ProcessGroup (from "
             f"dist.new_group) or None for the default group, got {type(group).__name__} "
-            f"{group!r}"
+            f"{group!r}{backend}"
         )
     return group
 

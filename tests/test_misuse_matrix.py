@@ -2,11 +2,13 @@
 leaves the model and the optimizer exactly as they were (nothing lost)."""
 
 import copy
+import os
 import re
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from asserts import assert_same as same
 from torch import nn
 
@@ -460,6 +462,18 @@ MATRIX = [
         lambda m, o, t: distamp.wrap(m, o, opt_level="O2", process_group="world"),
         TypeError,
         r"process_group: expected a torch\.distributed ProcessGroup.*got str 'world'",
+    ),
+    (
+        "wrap with a backend object built by hand for a process_group",
+        plain,
+        lambda m, o, t: distamp.wrap(
+            m,
+            o,
+            opt_level="O2",
+            process_group=dist.ProcessGroupGloo(dist.FileStore(os.path.join(t, "store"), 1), 0, 1),
+        ),
+        TypeError,
+        r"got ProcessGroupGloo .*\(a backend object: .*init_process_group and dist\.new_group",
     ),
     (
         "wrap with num_losses=True",

@@ -97,6 +97,55 @@ def test_two_strided_data_parallel_groups_train_skip_and_checkpoint_apart(
             assert torch.equal(p, q), (a, b)
 
 
+def _disabled_groups(rank, world, how, ckpt_root):
+    """``enabled=False`` (an --amp off switch) in two strided groups, each saving and loading
+    its own checkpoint over its own group; then a model only rank 0 trains, saved by rank 0
+    alone over a one-rank group."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    solo = dist.new_group([0])
+    group, seed = groups[rank % 2], 10 + rank % 2
+    model = mlp(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if how == "wrap":
+        model, opt = distamp.wrap(model, opt, enabled=False, process_group=group)
+        trained = DDP(model, process_group=group)
+    else:
+        trained, opt = distamp.fsdp.fully_shard(model, opt, enabled=False, process_group=group)
+    ((x, y),) = data(1, 4, seed=seed + rank)
+    F.mse_loss(trained(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    directory = os.path.join(ckpt_root, f"group{rank % 2}")
+    distamp.save_checkpoint(directory, trained, opt, extra={"group": rank % 2})
+    saved = [p.detach().clone() for p in trained.parameters()]
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.zero_()
+    extra = distamp.load_checkpoint(directory, trained, opt)
+    reloaded = all(torch.equal(p, s) for p, s in zip(trained.parameters(), saved, strict=True))
+    solo_saved = None
+    if rank == 0:
+        probe = mlp(seed=3)
+        probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+        probe, probe_opt = distamp.wrap(probe, probe_opt, enabled=False, process_group=solo)
+        distamp.save_checkpoint(os.path.join(ckpt_root, "solo"), probe, probe_opt)
+        solo_saved = sorted(os.listdir(os.path.join(ckpt_root, "solo")))
+    dist.barrier()
+    return extra, reloaded, solo_saved
+
+
+@pytest.mark.parametrize("how", ["wrap", "fully_shard"])
+def test_checkpoints_of_a_disabled_wrap_run_over_its_process_group(tmp_path, how):
+    """An audit: under enabled=False the checkpoint functions ran over the whole world: two
+    groups saving apart crashed ("the folder rank 0 made failed"), and rank 0 saving a model
+    only it trains waited for the other ranks until the timeout."""
+    results = run_ranks(_disabled_groups, 4, how, str(tmp_path), timeout=150)
+    for rank, (extra, reloaded, solo_saved) in enumerate(results):
+        assert extra == {"group": rank % 2} and reloaded, (rank, extra)
+        assert (solo_saved is not None) == (rank == 0)
+    assert results[0][2], results[0][2]
+
+
 def _ddp_over_own_subgroup(rank, world):
     own = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
     model = mlp(seed=0)
@@ -181,8 +230,9 @@ def test_ddp_over_subgroups_of_the_sharded_group_is_refused_at_the_first_step(op
         assert "ranks [0, 1, 2, 3]" in message and "another process group" in message
 
 
-def _register_with_another_group_than_ddps(rank, world, opt_level):
-    """Two replicas, over {0, 1} and {2, 3}: wrap and DDP on the pair, the hook given the world."""
+def _register_with_another_group_than_ddps(rank, world, opt_level, case="hook-group"):
+    """Two replicas, over {0, 1} and {2, 3}: wrap and DDP on the pair, the hook given the world
+    (``case="ddp-world"``: wrap on the pair, DDP over the world, the reduce-scatter hook)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
     model = mlp()
@@ -193,9 +243,12 @@ def _register_with_another_group_than_ddps(rank, world, opt_level):
         process_group=pair,
         verbosity=0,
     )
-    ddp = DDP(model, process_group=pair)
+    ddp = DDP(model, process_group=pair if case == "hook-group" else None)
     try:
-        distamp.hooks.register(ddp, opt, process_group=dist.group.WORLD)
+        if case == "hook-group":
+            distamp.hooks.register(ddp, opt, process_group=dist.group.WORLD)
+        else:
+            distamp.hooks.register(ddp, opt, reduce_scatter=True)
     except ValueError as exc:
         return str(exc)
     return None
@@ -210,3 +263,12 @@ def test_a_hook_group_other_than_ddps_is_refused(opt_level):
         pair = [0, 1] if rank < 2 else [2, 3]
         assert message is not None and f"(ranks {pair}, DDP's process_group)" in message, message
         assert "found ranks [0, 1, 2, 3]" in message, message
+
+
+def test_reduce_scatter_over_another_group_than_the_shards_names_both():
+    """An audit: the refusal said "another process group" without naming either."""
+    results = run_ranks(_register_with_another_group_than_ddps, 4, "O2", "ddp-world", timeout=180)
+    for rank, message in enumerate(results):
+        pair = [0, 1] if rank < 2 else [2, 3]
+        assert message is not None and f"sharded over ranks {pair}" in message, message
+        assert "reducing over ranks [0, 1, 2, 3]" in message, message

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from ..config import disabled_properties
+from ..config import disabled_group, disabled_properties
 from ..masters.layout import slice_state
 from ..masters.optimizer import inner_optimizer
 from ..masters.sharded import ShardedMasterParams
@@ -108,7 +108,9 @@ class _Target:
             disabled = disabled_properties(self.views[0].opt)
             assert disabled is not None  # a view without distamp state was wrapped disabled
             self.props = disabled.as_plain_dict()
-            self.pg = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            self.pg = disabled_group(self.views[0].opt)
+            if self.pg is None and dist.is_available() and dist.is_initialized():
+                self.pg = dist.group.WORLD
         self.world = dist.get_world_size(self.pg) if self.pg is not None else 1
         self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
         # A load drops pending gradients (_install_optimizer zeroes them): rolling back to the

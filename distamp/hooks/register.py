@@ -179,7 +179,10 @@ def register(
         reduce_scatter = overlap_gather = False
     if reduce_scatter and not (sharded and _same_group(sharded_over, group)):
         where = (
-            "sharded over another process group than the DDP model's" if sharded else "not sharded"
+            f"sharded over ranks {_ranks(sharded_over)} (distamp.wrap's process_group), the DDP "
+            f"model reducing over ranks {_ranks(group)}"
+            if sharded
+            else "not sharded"
         )
         raise ValueError(
             "distamp.hooks.register(reduce_scatter=True): expected an optimizer whose FP32 masters "

@@ -59,6 +59,32 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_
     assert sorted(names) == sorted(net().state_dict())
 
 
+def _register_through_compile(rank, world, compiled):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = net()
+    model, opt = distamp.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level="O2")
+    ddp = DDP(model)
+    run = torch.compile(ddp, backend="eager") if compiled else ddp
+    distamp.hooks.register(run, opt, reduce_scatter=True, overlap_gather=True)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with distamp.scale_loss(F.mse_loss(run(x).float(), torch.zeros(4, 2)), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def test_register_takes_a_compiled_ddp_model():
+    """``torch.compile(DDP(model))`` then register: refused ("got OptimizedModule") with advice
+    the user had followed (an audit); now the DDP inside is taken, trained as without compile."""
+    compiled = run_ranks(_register_through_compile, 2, True, timeout=180)
+    eager = run_ranks(_register_through_compile, 2, False, timeout=180)
+    for a, b in zip(compiled[0] + compiled[1], eager[0] + eager[1], strict=True):
+        assert torch.equal(a, b)
+
+
 CONVERSIONS = {
     "O2 model.float()": ("O2", lambda m: m.float(), r"'0.weight' is torch.float32, but"),
     "O2 model.bfloat16()": ("O2", lambda m: m.bfloat16(), r"'1.weight' is torch.bfloat16, but"),

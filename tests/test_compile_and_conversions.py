@@ -66,13 +66,14 @@ def _register_through_compile(rank, world, compiled):
     model, opt = distamp.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level="O2")
     ddp = DDP(model)
     run = torch.compile(ddp, backend="eager") if compiled else ddp
-    distamp.hooks.register(run, opt, reduce_scatter=True, overlap_gather=True)
+    state = distamp.hooks.register(run, opt, reduce_scatter=True, overlap_gather=True)
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         with distamp.scale_loss(F.mse_loss(run(x).float(), torch.zeros(4, 2)), opt) as scaled:
             scaled.backward()
         opt.step()
         opt.zero_grad()
+    state.finish_gather()  # the last step's weights (else gathered in the next forward)
     return [p.detach().float().clone() for p in model.parameters()]
 
 

@@ -258,7 +258,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def grad_version(param: torch.Tensor) -> tuple[int, int] | None:
+@torch.compiler.disable  # a host-side read: traced, one recompile per parameter (an audit:
+def grad_version(param: torch.Tensor) -> tuple[int, int] | None:  # Dynamo's recompile limit)
     """Identity and version counter of ``param.grad`` (None when it has none)."""
     grad = param.grad
     return None if grad is None else (id(grad), grad._version)

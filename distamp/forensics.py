@@ -79,6 +79,12 @@ class NonFiniteReport:
                 f"gradients' all-reduce every rank holds it: the rank it came from is not "
                 f"known{wire})"
             )
+        if self.fp16_wire:  # one rank: its hook casts to fp16 all the same
+            return (
+                f"parameter {self.param!r} had {article} gradient on rank {self.rank} after the "
+                "fp16 all-reduce hook: its own gradient, or the fp16 wire overflowed (fp16 "
+                "ends at 65504; a bf16 wire keeps FP32's range)"
+            )
         return f"parameter {self.param!r} had {article} gradient on rank {self.rank}"
 
 

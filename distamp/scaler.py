@@ -802,6 +802,10 @@ class ScalerGroup:
                     rank=report.rank if group is None else dist.get_global_rank(group, report.rank),
                     fp16_wire=self.fp16_all_reduce and report.on_every_rank,
                 )
+            elif report is not None and self.fp16_all_reduce:
+                # one rank: the hook still casts its gradients to FP16 (an audit: a finite
+                # gradient the wire overflowed was named the rank's own)
+                report = dataclasses.replace(report, fp16_wire=True)
             st.decision_report = report
             for block in undecided:
                 block.report = report

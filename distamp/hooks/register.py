@@ -69,10 +69,9 @@ def register(
     # torch.compile(DDP(model)): the compiled wrapper forwards register_comm_hook to the DDP
     # inside, as torch's own recipe registers through it (an audit: refused, "got
     # OptimizedModule", with advice the user had followed).
-    while type(ddp_model).__name__ == "OptimizedModule" and isinstance(
-        getattr(ddp_model, "_orig_mod", None), nn.Module
-    ):
-        ddp_model = ddp_model._orig_mod
+    inner = getattr(ddp_model, "_orig_mod", None)
+    while type(ddp_model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        ddp_model, inner = inner, getattr(inner, "_orig_mod", None)
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"distamp.hooks.register: expected a DistributedDataParallel model, got "

@@ -243,11 +243,21 @@ class FSDPParams(ModelGrads):
                     unsharded.grad = None
 
     def master_bytes(self) -> int:
-        """FP32 shards held here when they stand in for master weights (O2), else 0."""
+        """FP32 shards held here when they stand in for master weights (O2), else 0. The FP32
+        norm units' shards are FP32 weights computing in FP32, their own masters: 0, as wrap's
+        O2 counts its FP32 norm layers (an audit: counted here, not there)."""
         if not self.props.master_weights:
             return 0
+        model = self.model() if self.model is not None else None
+        own = {
+            id(p)
+            for m in (_norm_units(model, self.props) if model is not None else ())
+            for p in m.parameters(recurse=False)
+        }
         return sum(
-            local_tensor(p).numel() * local_tensor(p).element_size() for p in self.model_params
+            local_tensor(p).numel() * local_tensor(p).element_size()
+            for p in self.model_params
+            if id(p) not in own
         )
 
     def master_tensors(self) -> list[torch.Tensor]:

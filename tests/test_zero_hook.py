@@ -951,3 +951,32 @@ def test_a_framework_backward_through_a_reentrant_checkpoint_gathers_once_after_
         for got, want in zip(rs[r]["grads"], ar[0]["grads"], strict=True):
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
+
+
+def _hook_buffers(rank, world, reduce_scatter):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, opt = distamp.wrap(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level="O1",
+        shard_master_weights=reduce_scatter,
+        verbosity=0,
+    )
+    ddp = DDP(model)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=reduce_scatter)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with distamp.scale_loss(ddp(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    held = [t for t in (state._scratch, getattr(state, "_sum", None)) if t is not None]
+    return [t.numel() for t in held], sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world,reduce_scatter", [(2, False), (3, True)])
+def test_a_small_models_hook_holds_buffers_of_its_size(world, reduce_scatter):
+    """The hooks' FP32 scratch (1 MB) and the reduce-scatter's sum buffer (2 MB) had fixed
+    sizes: sharding a model of 212 parameters raised each rank's memory (an audit)."""
+    for held, n_params in run_ranks(_hook_buffers, world, reduce_scatter, timeout=120):
+        assert held and all(numel <= n_params for numel in held), (held, n_params)

@@ -135,12 +135,15 @@ class CompressState:
             with torch.autograd.profiler.record_function("distamp: wait for a bucket in flight"):
                 self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
 
-    def scratch(self, device: torch.device) -> torch.Tensor:
-        """The reusable FP32 stretch :func:`_divide_then_cast` divides into (one per state; the
-        caller holds ``_lock``)."""
-        if self._scratch is None or self._scratch.device != device:
-            self._scratch = torch.empty(STRETCH, dtype=torch.float32, device=device)
-        return self._scratch
+    def scratch(self, device: torch.device, numel: int) -> torch.Tensor:
+        """The reusable FP32 stretch :func:`_divide_then_cast` divides a bucket of ``numel``
+        elements into (one per state, as long as the longest bucket up to ``STRETCH``: a small
+        model's hook held a fixed 1 MB; the caller holds ``_lock``)."""
+        want = min(STRETCH, max(numel, 1))
+        scratch = self._scratch
+        if scratch is None or scratch.device != device or scratch.numel() < want:
+            self._scratch = scratch = torch.empty(want, dtype=torch.float32, device=device)
+        return scratch
 
     def record(self, tensor: torch.Tensor) -> None:
         with self._lock:  # DDP may run hooks from its autograd threads
@@ -230,7 +233,7 @@ def _compress_hook(
         out = pool.take(buffer.numel(), wire, buffer.device)
         with pool._lock:
             compressed = _divide_then_cast(
-                buffer, world, wire, out, scratch=pool.scratch(buffer.device)
+                buffer, world, wire, out, scratch=pool.scratch(buffer.device, buffer.numel())
             )
     else:
         compressed = _divide_then_cast(buffer, world, wire, None)

@@ -88,7 +88,8 @@ class ZeroState(CompressState):
         """Where a piece's sum over more than two ranks goes before it is copied into the shard
         gradient: one per state, as long as the longest piece (the caller holds ``_lock``)."""
         if self._sum is None or self._sum.numel() < numel or self._sum.dtype != dtype:
-            self._sum = torch.empty(max(numel, PIECE), dtype=dtype)
+            # as long as the longest piece so far (a small model's held a fixed 2 MB)
+            self._sum = torch.empty(numel, dtype=dtype)
         return self._sum[:numel]
 
 
@@ -138,7 +139,7 @@ def zero_reduce_hook(
         mine = recv[received : received + n * world]
         others = [runs for rank, runs in enumerate(piece.sends) if rank != me]
         with state._lock:
-            scratch = state.scratch(buffer.device)
+            scratch = state.scratch(buffer.device, buffer.numel())
             # piece.sends[me] is piece.recv_runs: the own part, in the order every rank sends it
             for runs, target in ((piece.recv_runs, mine), ([r for rs in others for r in rs], out)):
                 at = 0

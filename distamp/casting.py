@@ -684,6 +684,35 @@ def data_parallel_wrapper_name(model: nn.Module) -> str | None:
     return None
 
 
+def _warn_about_hf_fp32_modules(models: list[nn.Module], plan: PrecisionPlan, api: str) -> None:
+    """Hugging Face keeps some modules FP32 in a half model (``_keep_in_fp32_modules``: T5's
+    ``wo``, MoE routers); O2 casts them like the rest, silently (an audit: T5's ``wo`` overflowed
+    in fp16, HF's clamp hid it, the loss drifted)."""
+    found: list[str] = []
+    listed: set[str] = set()
+    for model in models:
+        names = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(
+            getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+        )
+        names = {n for n in names if isinstance(n, str)}
+        if not names:
+            continue
+        for name, param in model.named_parameters():
+            if id(param) in plan.cast_params and names & set(name.split(".")):
+                found.append(name)
+                listed |= names & set(name.split("."))
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        warn_from_caller(
+            f"{api}: Hugging Face keeps {sorted(listed)} FP32 in half precision "
+            f"(_keep_in_fp32_modules), cast to {plan.half_dtype} here: {found[:3]}{more}. In "
+            "fp16 they may overflow (T5's wo). O1 keeps every weight FP32; bf16 has FP32's range. "
+            "keep_fp32_modules keeps them FP32 at O2, but their FP32 outputs then flow on: "
+            "where the caller casts up before such a module (T5 before wo), the residual stream "
+            "turns FP32 and the half layers after the next norm refuse it"
+        )
+
+
 def warn_about_plan(
     models: list[nn.Module],
     plan: PrecisionPlan,
@@ -700,6 +729,7 @@ def warn_about_plan(
         )
     if plan.half_dtype is None or not props.keep_batchnorm_fp32:
         return
+    _warn_about_hf_fp32_modules(models, plan, api)
     cast = [  # the buffers cast with their module's parameters, by name
         (f"{prefix}{'.' if prefix else ''}{name}", buf)
         for model in models

@@ -3,6 +3,7 @@
 import copy
 import math
 import threading
+import warnings
 
 import pytest
 import torch
@@ -408,3 +409,32 @@ def test_cast_parameters_no_optimizer_holds_are_named_at_wrap(shard):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*held by no optimizer")
         distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+
+
+class _T5Like(nn.Module):
+    """Hugging Face's convention: the class lists modules kept FP32 in a half model."""
+
+    _keep_in_fp32_modules = ("wo",)  # a list in Hugging Face's classes
+
+    def __init__(self):
+        super().__init__()
+        self.wi = nn.Linear(8, 16)
+        self.wo = nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(x + self.wo(torch.relu(self.wi(x))))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_modules_hugging_face_keeps_fp32_are_named_when_o2_casts_them(opt_level):
+    """An audit: T5's ``wo`` (HF's ``_keep_in_fp32_modules``) was cast to fp16 silently."""
+    model = _T5Like()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level)
+    named = [str(w.message) for w in seen if "_keep_in_fp32_modules" in str(w.message)]
+    if opt_level == "O1":
+        assert named == []
+    else:
+        assert len(named) == 1 and "['wo']" in named[0] and "'wo.weight'" in named[0], named

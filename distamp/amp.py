@@ -44,8 +44,8 @@ from .wrap import unscale_, wrap
 F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY: dict[str, ScalerGroup | None] = {}
-"""The scalers of the latest ``initialize`` (see [Note: the apex registry]); None when it made
-none (``enabled=False``, or no optimizer)."""
+"""The scalers of the latest ``initialize`` given an optimizer (see [Note: the apex registry]);
+None when it made none (``enabled=False``); a call without an optimizer leaves it."""
 
 
 def initialize(
@@ -88,13 +88,21 @@ def initialize(
         max_loss_scale=max_loss_scale,
         **distamp_options,
     )
-    _REGISTRY.clear()
-    _REGISTRY["group"] = None
-    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    for opt in opts:
-        if isinstance(opt, AmpOptimizer):
-            _REGISTRY["group"] = opt._distamp.group
-            break
+    # The scalers of this call become amp.state_dict()'s (none when it was disabled); a call
+    # without an optimizer (a frozen teacher for distillation) makes none and leaves the earlier
+    # call's in place: it cleared them, and the student's checkpoint lost its scale (an audit).
+    # Optimizer wrappers (apex's LARC) are looked through (an audit: their scalers were never
+    # found).
+    inners = [
+        inner_optimizer(o) or o
+        for o in (optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
+        if o is not None
+    ]
+    if inners:
+        _REGISTRY.clear()
+        _REGISTRY["group"] = next(
+            (o._distamp.group for o in inners if isinstance(o, AmpOptimizer)), None
+        )
     return result
 
 
@@ -152,8 +160,10 @@ class _ScalerView:
 
     @property
     def _has_overflow(self) -> bool:
-        """apex's flag after a step: that step was skipped (NVIDIA's BERT counts steps with it)."""
-        return any(st.last_step_skipped for st in self._group.optimizers)
+        """apex's flag after a step: this loss overflowed at its last update (NVIDIA's BERT counts
+        skipped steps with it). Per loss, as apex's: any optimizer's skip set every loss's (an
+        audit, DCGAN's three losses)."""
+        return self._scaler.last_overflow
 
     def loss_scale(self) -> float:
         return self._scaler.scale

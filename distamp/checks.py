@@ -216,7 +216,11 @@ def check_optimizers(
                         f"{where}: param_groups[{g}]['params'][{k}] (shape {tuple(param.shape)}, "
                         f"dtype {param.dtype}) is not a parameter of the model(s) passed to "
                         f"{api}: expected every optimized parameter to belong to the model(s) "
-                        "given with it (an optimizer built on another copy of the model?)"
+                        "given with it (an optimizer built on another copy of the model?). A "
+                        "parameter of a module outside the model (a loss with weights: "
+                        "CenterLoss' centers) needs that module passed too: "
+                        f"{api}([model, criterion], optimizer) (apex stepped such parameters "
+                        "unwrapped); keep_fp32_modules=[criterion] keeps it FP32 at O2"
                     )
                 if id(param) in seen and seen[id(param)] != i:
                     raise ValueError(

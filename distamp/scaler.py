@@ -135,6 +135,8 @@ class LossScaler:
         """Consecutive steps without overflow since the last scale change."""
         self.hysteresis_left = hysteresis
         self.consecutive_skips = 0
+        self.last_overflow = False
+        """The last update was an overflow (apex's ``_has_overflow`` of this loss)."""
         self.skipped_at_floor = False
         """The last overflow happened when the scale could not back off any further."""
 
@@ -159,6 +161,7 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         """Advance the scale by one optimizer step; ``overflow`` must be the global decision."""
+        self.last_overflow = overflow
         if overflow:
             self.consecutive_skips += 1
             self.clean_steps = 0
@@ -175,11 +178,11 @@ class LossScaler:
                 self.scale = self.rounded(backed_off)
             return
         self.consecutive_skips = 0
+        self.clean_steps += 1  # also for a static scale: apex's _unskipped counts its steps
         if not self.dynamic:
             return
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        self.clean_steps += 1
         # `==`, as apex's and torch's scalers: a count already past the interval (the interval
         # lowered, or a tracker loaded from a longer one) waits for the next backoff, as there.
         if self.clean_steps == self.growth_interval:
@@ -477,7 +480,9 @@ class ScalerGroup:
                 raise ValueError(
                     f"{where}: params[{k}] (shape {tuple(param.shape)}, dtype {param.dtype}) is "
                     "not a parameter of the model(s) passed to distamp.wrap: expected parameters "
-                    "of the wrapped model(s)"
+                    "of the wrapped model(s) (a module that was not one of them — a new head, a "
+                    "loss with weights — is passed to wrap with the model: "
+                    "wrap([model, head], optimizer))"
                     + (
                         " (after distamp.fsdp.fully_shard, read them from the sharded model: "
                         "FSDP replaced the parameter objects)"

@@ -475,3 +475,80 @@ def test_warnings_of_amp_initialize_point_at_the_callers_line():
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
     (warning,) = [w for w in caught if "held by no optimizer" in str(w.message)]
     assert warning.filename == __file__
+
+
+def test_a_teacher_initialized_without_an_optimizer_keeps_the_students_scalers():
+    """Distillation: the student with its optimizer, then a frozen teacher alone. The teacher's
+    call cleared the student's scalers: amp.state_dict() came back {} and apex's resume failed
+    (an audit)."""
+    student = mlp()
+    student, opt = amp.initialize(
+        student, torch.optim.SGD(student.parameters(), lr=0.1), opt_level="O1", verbosity=0
+    )
+    teacher = amp.initialize(mlp(), opt_level="O1", verbosity=0)
+    assert isinstance(teacher, nn.Module)
+    assert set(amp.state_dict()) == {"loss_scaler0"}
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**16
+
+
+def test_a_larc_wrapped_optimizer_has_its_scalers_in_amp_state():
+    """apex's LARC wraps the optimizer it returns: amp.state_dict() was {} and
+    _amp_state.loss_scalers empty (an audit)."""
+
+    class LARC:  # apex.parallel.LARC's shape: the wrapped optimizer in .optim
+        def __init__(self, optimizer):
+            self.optim = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optim.param_groups
+
+        def step(self):
+            return self.optim.step()
+
+    model = mlp()
+    model, opt = amp.initialize(
+        model, LARC(torch.optim.SGD(model.parameters(), lr=0.1)), opt_level="O2", verbosity=0
+    )
+    assert set(amp.state_dict()) == {"loss_scaler0"}
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**16
+
+
+def test_has_overflow_is_per_loss_as_apexs():
+    """DCGAN's three losses: an overflow of one loss set every loss's _has_overflow (an audit)."""
+    a, b = nn.Linear(4, 6), nn.Linear(6, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O1", num_losses=2, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(a(x).float().sum(), oa, loss_id=0) as s0:
+        s0.backward()
+    with amp.scale_loss(b(torch.randn(3, 6)).float().sum() * float("inf"), ob, loss_id=1) as s1:
+        s1.backward()
+    oa.step()
+    ob.step()
+    scalers = amp._amp_state.loss_scalers
+    assert [s._has_overflow for s in scalers] == [False, True]
+    assert [s.loss_scale() for s in scalers] == [2.0**16, 2.0**15]
+
+
+def test_a_static_scale_counts_its_clean_steps_in_unskipped():
+    """apex's _unskipped counted every step of a static scaler; it stayed 0 (an audit)."""
+    model = mlp()
+    model, opt = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O3", verbosity=0
+    )
+    for x, y in data(3, 4):
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    assert amp._amp_state.loss_scalers[0]._unskipped == 3
+
+
+def test_a_loss_with_parameters_outside_the_model_says_to_pass_it_too():
+    """CenterLoss' centers in the optimizer: apex stepped them unwrapped; distamp refuses, and
+    the message said only "another copy of the model?" (an audit)."""
+    model, centers = mlp(), nn.Parameter(torch.zeros(4, 4))
+    opt = torch.optim.SGD([*model.parameters(), centers], lr=0.1)
+    with pytest.raises(ValueError, match=r"\[model, criterion\], optimizer\)"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)

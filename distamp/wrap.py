@@ -449,7 +449,9 @@ def _warn_about_state_before_wrap(
                 f"distamp.wrap: optimizers[{i}] has state already ({len(opt.state)} "
                 "parameters): if it was loaded from a state dict distamp saved, load that after "
                 "wrap instead (or use distamp.load_checkpoint) — torch's own load_state_dict "
-                "drops its FP32 masters, loss scalers and step counters",
+                "drops its FP32 masters, loss scalers and step counters. State from a run "
+                "without distamp (a plain FP32 checkpoint) belongs here, before wrap: then "
+                "ignore this",
             )
 
 

@@ -310,7 +310,8 @@ def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> N
             "every rank gets rank 0's back from load_checkpoint. Reduce a per-rank metric "
             "across ranks first (a validation loss: dist.all_reduce), keep per-rank state under "
             "a key per rank (extra={'loader': {rank: state, ...}} gathered with "
-            "all_gather_object), or in a file of its own",
+            "all_gather_object), or in a file of its own. A value only rank 0 computes "
+            "(nanoGPT's best_val_loss: only rank 0 evaluates) is right as it is: ignore this",
             stacklevel=3,
         )
 

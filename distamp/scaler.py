@@ -1001,9 +1001,11 @@ class ScalerGroup:
                 "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model before "
                 "building DDP, and distamp leaves it out of this check too — where DDP wraps a "
                 "container of the wrapped model, name them on that container and call "
-                "distamp.hooks.register(ddp, optimizer), which reads DDP's own list). Ranks "
-                "that train "
-                "apart on purpose: wrap with process_group=a one-rank group "
+                "distamp.hooks.register(ddp, optimizer), which reads DDP's own list); or a comm "
+                "hook that does not average every gradient every step (torch's "
+                "post_localSGD_hook past start_localSGD_iter: local SGD steps each rank on its "
+                "own gradients; use it at O0/O1, whose weights are their own masters). Ranks "
+                "that train apart on purpose: wrap with process_group=a one-rank group "
                 "(dist.new_subgroups(group_size=1)[0])"
             )
         if not weights_differ:

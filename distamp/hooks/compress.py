@@ -284,16 +284,21 @@ bf16_compress_hook = distamp_bf16_compress_hook
 def _compress_wrapper(hook: CommHook, wire: torch.dtype, name: str) -> CommHook:
     def wrapper(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        # The wrapped hook divides by the world size itself (torch's convention), so the cast
-        # comes first here; a value beyond the wire's range becomes inf, never clamped (see
-        # [Note: inf/NaN are never lost]): the scaler then skips and backs off.
-        bucket.set_buffer(buffer.to(wire))
+        world = dist.get_world_size(_group_of(state))
+        # See [Note: divide before casting down]: the bucket is divided by the world size in its
+        # own precision before the cast, and the wrapped hook divides again (torch's convention),
+        # so the result is multiplied back in FP32. Cast first (torch's order), a gradient whose
+        # mean fits came back inf/NaN and the step was skipped (an audit: 1e5 and -9e4 on two
+        # ranks). A value beyond the wire's range still becomes inf, never clamped (see [Note:
+        # inf/NaN are never lost]). The price: g / N**2 meets FP16's subnormals 2 log2(N) bits
+        # sooner than g (loss scaling keeps real gradients far above).
+        bucket.set_buffer(_divide_then_cast(buffer, world, wire, None, keep_source=True))
         if isinstance(state, CompressState):
             state.record(bucket.buffer())
         fut = hook(state, bucket)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            buffer.copy_(fut.value())
+            buffer.copy_(fut.value().float().mul_(world) if world > 1 else fut.value())
             return buffer
 
         return fut.then(decompress)

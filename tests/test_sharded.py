@@ -403,3 +403,64 @@ def test_optimizer_state_read_by_a_model_parameter(shard):
             assert found["in"] and found["get"]
             assert found["keys"] == ["exp_avg", "exp_avg_sq", "step"]
             assert found["exp_avg"] == (torch.float32, (13, 6))
+
+
+class _TwoGroups(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 40)
+        self.norm = nn.LayerNorm(40)  # FP32 at O2: stepped whole, beside the shards
+        self.b = nn.Linear(40, 4)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def _whole_state_resume(rank, world, directory, how):
+    model = _TwoGroups()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not any(p is d for d in decay)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2
+    )
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    trained = DDP(model) if world > 1 else model
+    steps = range(3) if how == "save" else range(3, 5)
+    if how == "torch.load":  # nanoGPT's resume: rank 0's whole state dict, on every rank
+        saved = torch.load(f"{directory}/ckpt.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    elif how == "load_checkpoint":
+        distamp.load_checkpoint(f"{directory}/dcp", model, opt)
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        per = 8 // world
+        mine = slice(rank * per, (rank + 1) * per)
+        with distamp.scale_loss(F.mse_loss(trained(x[mine]).float(), y[mine]), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    if how == "save":
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{directory}/ckpt.pt"
+        )
+        distamp.save_checkpoint(f"{directory}/dcp", model, opt)
+        return None
+    return {k: v.float().clone() for k, v in model.state_dict().items()}, distamp.stats(opt).steps
+
+
+@pytest.mark.parametrize("shard_block", [None, 4], indirect=True)
+def test_a_whole_optimizer_state_dict_resumes_into_sharded_masters(tmp_path, shard_block):
+    """Trained at one rank (replicated masters), saved nanoGPT's way (torch.save of
+    optimizer.state_dict()), resumed at two with sharded masters: refused before ("the state
+    dict holds all FP32 masters"), now each rank cuts its shard of the masters and of AdamW's
+    state, and trains on bit for bit as the same resume through load_checkpoint."""
+    run_ranks(_whole_state_resume, 1, str(tmp_path), "save")
+    via_torch = run_ranks(_whole_state_resume, 2, str(tmp_path), "torch.load")
+    via_dcp = run_ranks(_whole_state_resume, 2, str(tmp_path), "load_checkpoint")
+    for (weights, steps), (reference, ref_steps) in zip(via_torch, via_dcp, strict=True):
+        assert steps == ref_steps == 5
+        for name, value in reference.items():
+            assert torch.equal(weights[name], value), name

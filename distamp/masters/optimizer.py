@@ -509,6 +509,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             return
         error = None
         try:
+            if extra is not None and "shard" in extra and extra["shard"] is None:
+                state_dict, extra = _whole_into_shards(self, state_dict, extra)
             _check_loadable(extra, st)
             _check_inner_state(self, state_dict)
         except ValueError as exc:
@@ -714,6 +716,25 @@ def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) ->
         "its own state_dict at the same world size, or wrap(..., shard_master_weights=False) "
         "(rank 0's is everyone's)"
     )
+
+
+def _whole_into_shards(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], extra: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """See [Note: a whole state dict loaded into shards] in masters/sharded.py: a state dict of
+    replicated masters, cut into this rank's shard when this optimizer's masters are sharded
+    (O2/O3 masters of half weights; other layouts are left to the checks)."""
+    masters = optimizer._distamp.masters  # type: ignore[attr-defined]
+    if not isinstance(masters, ShardedMasterParams) or masters.fp32_weights:
+        return state_dict, extra
+    saved = extra.get("masters")
+    if not isinstance(saved, list) or not all(isinstance(t, torch.Tensor) for t in saved):
+        return state_dict, extra
+    cut = masters.shard_whole_state(state_dict, saved, optimizer.param_groups)
+    if cut is None:
+        return state_dict, extra
+    inner, shards = cut
+    return inner, {**extra, "masters": shards, "shard": _shard_of(optimizer._distamp)}  # type: ignore[attr-defined]
 
 
 def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None:

@@ -88,6 +88,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.model_params: list[nn.Parameter] = list(replicated)
+        self.cast_flags: list[list[bool]] = []
+        """Per optimizer group, in its parameters' original order: sharded (True) or stepped
+        whole; what :meth:`shard_whole_state` needs to read a whole state dict."""
         self.grad_buffer: torch.Tensor | None = None
         """With distamp's reduce-scatter hook: every group's FP32 shard gradient, one persistent
         buffer (see [Note: reduce-scatter into the shards])."""
@@ -156,6 +159,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             kept = [p for p in params if id(p) not in cast_ids]
             states = [optimizer.state.pop(p, {}) for p in sharded]
             chunks = out._new_group(sharded, states, optimizer)
+            out.cast_flags.append([id(p) in cast_ids for p in params])
             out.replicated += kept
             param_group["params"] = [*chunks, *kept]
             if "param_names" in param_group:  # torch's named optimizers: one name per tensor
@@ -163,6 +167,64 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                 param_group["param_names"] = out.slice_names(named)
         out.model_params = [p for g in out.groups for p in g.params] + out.replicated
         return out
+
+    def shard_whole_state(
+        self, state_dict: dict[str, Any], masters: list[torch.Tensor], current: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """[Note: a whole state dict loaded into shards] ``optimizer.state_dict()`` of replicated
+        masters (saved at one rank, or with ``shard_master_weights=False``) holds every FP32
+        master and every parameter's whole state: this rank's shard of them is cut here, as
+        ``take`` cuts an optimizer's state at wrap (nanoGPT trained on one GPU and resumed on
+        N: refused before, an audit). Returns the inner state dict in this layout and the shards,
+        or None when ``state_dict`` is not a whole state of this layout (the usual checks then
+        say why). ``current``: the optimizer's param_groups (for their ``param_names``)."""
+        groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(saved_state, dict):
+            return None
+        if len(groups) != len(self.groups) or len(self.cast_flags) != len(self.groups):
+            return None
+        if len(masters) != sum(len(layout.params) for layout in self.groups):
+            return None
+        out_groups: list[dict[str, Any]] = []
+        out_state: dict[int, Any] = {}
+        shards: list[torch.Tensor] = []
+        used = next_id = 0
+        layouts = zip(self.groups, self.cast_flags, groups, strict=True)
+        for g, (layout, flags, saved) in enumerate(layouts):
+            ids = list(saved.get("params", ()))
+            if len(ids) != len(flags) or sum(flags) != len(layout.params):
+                return None
+            cast = [i for i, f in zip(ids, flags, strict=True) if f]
+            kept = [i for i, f in zip(ids, flags, strict=True) if not f]
+            whole = masters[used : used + len(cast)]
+            used += len(cast)
+            if any(m.shape != p.shape for m, p in zip(whole, layout.params, strict=True)):
+                return None
+            shard = torch.zeros_like(self.shards[g])
+            for index, src, count, dst in layout.pieces:
+                shard[dst : dst + count].copy_(whole[index].detach().reshape(-1)[src : src + count])
+            shards.append(shard)
+            new_ids = []
+            for index, a, b in layout.spans:
+                state = saved_state.get(cast[index])
+                if state:
+                    offset = layout.param_offset(index, a)
+                    out_state[next_id] = slice_state(state, layout.params[index], offset, b - a, g)
+                new_ids.append(next_id)
+                next_id += 1
+            for i in kept:
+                if i in saved_state:
+                    out_state[next_id] = saved_state[i]
+                new_ids.append(next_id)
+                next_id += 1
+            group = {**saved, "params": new_ids}
+            if "param_names" in current[g]:
+                group["param_names"] = list(current[g]["param_names"])
+            else:
+                group.pop("param_names", None)
+            out_groups.append(group)
+        return {**state_dict, "state": out_state, "param_groups": out_groups}, shards
 
     def slice_names(self, named: dict[int, str]) -> list[str]:
         """Names for the last group's ``param_groups`` entry (its slices, then the parameters it
@@ -231,6 +293,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         sharded = [p for p in params if fp32_masters and p.dtype in shardable]
         kept = [p for p in params if not (fp32_masters and p.dtype in shardable)]
         chunks = self._new_group(sharded, [{} for _ in sharded], None)
+        self.cast_flags.append([fp32_masters and p.dtype in shardable for p in params])
         self._lay_out(self.groups[-1])
         if self.grad_buffer is not None:  # the reduce-scatter hook writes the new group's too
             self.armed_grad_buffer()

@@ -417,14 +417,15 @@ class _TwoGroups(nn.Module):
         return self.b(self.norm(self.a(x)))
 
 
-def _whole_state_resume(rank, world, directory, how):
+def _whole_state_resume(rank, world, directory, how, level="O2"):
     model = _TwoGroups()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
     rest = [p for n, p in model.named_parameters() if not any(p is d for d in decay)]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2
     )
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    shard = {"shard_master_weights": world > 1} if level == "O1" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **shard)
     trained = DDP(model) if world > 1 else model
     steps = range(3) if how == "save" else range(3, 5)
     if how == "torch.load":  # nanoGPT's resume: rank 0's whole state dict, on every rank
@@ -451,15 +452,17 @@ def _whole_state_resume(rank, world, directory, how):
     return {k: v.float().clone() for k, v in model.state_dict().items()}, distamp.stats(opt).steps
 
 
-@pytest.mark.parametrize("shard_block", [None, 4], indirect=True)
-def test_a_whole_optimizer_state_dict_resumes_into_sharded_masters(tmp_path, shard_block):
+@pytest.mark.parametrize(
+    "shard_block,level", [(None, "O2"), (4, "O2"), (4, "O1")], indirect=["shard_block"]
+)
+def test_a_whole_optimizer_state_dict_resumes_into_sharded_masters(tmp_path, shard_block, level):
     """Trained at one rank (replicated masters), saved nanoGPT's way (torch.save of
     optimizer.state_dict()), resumed at two with sharded masters: refused before ("the state
     dict holds all FP32 masters"), now each rank cuts its shard of the masters and of AdamW's
     state, and trains on bit for bit as the same resume through load_checkpoint."""
-    run_ranks(_whole_state_resume, 1, str(tmp_path), "save")
-    via_torch = run_ranks(_whole_state_resume, 2, str(tmp_path), "torch.load")
-    via_dcp = run_ranks(_whole_state_resume, 2, str(tmp_path), "load_checkpoint")
+    run_ranks(_whole_state_resume, 1, str(tmp_path), "save", level)
+    via_torch = run_ranks(_whole_state_resume, 2, str(tmp_path), "torch.load", level)
+    via_dcp = run_ranks(_whole_state_resume, 2, str(tmp_path), "load_checkpoint", level)
     for (weights, steps), (reference, ref_steps) in zip(via_torch, via_dcp, strict=True):
         assert steps == ref_steps == 5
         for name, value in reference.items():

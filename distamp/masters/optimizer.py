@@ -725,11 +725,16 @@ def _whole_into_shards(
     replicated masters, cut into this rank's shard when this optimizer's masters are sharded
     (O2/O3 masters of half weights; other layouts are left to the checks)."""
     masters = optimizer._distamp.masters  # type: ignore[attr-defined]
-    if not isinstance(masters, ShardedMasterParams) or masters.fp32_weights:
+    if not isinstance(masters, ShardedMasterParams):
         return state_dict, extra
     saved = extra.get("masters")
     if not isinstance(saved, list) or not all(isinstance(t, torch.Tensor) for t in saved):
         return state_dict, extra
+    if masters.fp32_weights and not saved:
+        # O0/O1: the FP32 weights were their own masters (none saved); the shards are cut from
+        # the model's weights (a model.load_state_dict after this one reaches them too: see
+        # [Note: weights written after wrap])
+        saved = [p.detach() for layout in masters.groups for p in layout.params]
     cut = masters.shard_whole_state(state_dict, saved, optimizer.param_groups)
     if cut is None:
         return state_dict, extra

@@ -173,7 +173,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """[Note: a whole state dict loaded into shards] ``optimizer.state_dict()`` of replicated
         masters (saved at one rank, or with ``shard_master_weights=False``) holds every FP32
-        master and every parameter's whole state: this rank's shard of them is cut here, as
+        master (O0/O1: the model's weights are) and every parameter's whole state: this rank's
+        shard of them is cut here, as
         ``take`` cuts an optimizer's state at wrap (nanoGPT trained on one GPU and resumed on
         N: refused before, an audit). Returns the inner state dict in this layout and the shards,
         or None when ``state_dict`` is not a whole state of this layout (the usual checks then

@@ -105,3 +105,32 @@ def test_ranks_with_different_block_counts_are_told_the_cause_that_fits(case):
         else:
             assert "found between 2 and 3" in message, message
             assert "Uneven accumulation windows" in message
+
+
+def _a_rank_without_a_batch(rank, world, set_to_none):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    # No DDP (its all-reduce would wait for rank 1's backward): the same batch on both ranks
+    # keeps their gradients equal, as the skip decision checks
+    x = torch.randn(3, 4)
+    for it in range(2):
+        if not (it == 1 and rank == 1):  # rank 1 has no batch in the second iteration
+            with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+                scaled.backward()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return it, str(exc)
+        opt.zero_grad(set_to_none=set_to_none)
+    return None
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_rank_without_a_batch_raises_with_the_others(set_to_none):
+    """With the gradients zeroed in place (set_to_none=False) the rank without a batch found
+    the last step's gradients and raised alone; the other waited in the skip decision until the
+    timeout (an audit). Either way every rank raises at once, naming the counts."""
+    for result in run_ranks(_a_rank_without_a_batch, 2, set_to_none, timeout=120):
+        assert result is not None and result[0] == 1, result
+        assert "same number of scale_loss blocks" in result[1], result[1]

@@ -1114,6 +1114,11 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
     else:
         stale = now == st.stepped_grads and any(v is not None for v in now)
     if stale:
+        # Not alone: another rank that did run a backward waits in the skip decision (an audit:
+        # gradients zeroed with set_to_none=False on a rank without a batch; it raised here and
+        # the others hung). Taking part with no blocks makes every rank raise together, naming
+        # the counts; when every rank is here, all of them go on to this refusal.
+        _decide_with_no_blocks(st)
         raise RuntimeError(
             "optimizer.step() was called again on the gradients the previous step() used (no "
             "backward since, the .grad unchanged); expected a backward inside distamp.scale_loss "

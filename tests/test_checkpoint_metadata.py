@@ -218,3 +218,17 @@ def test_inspect_names_the_dtype_of_weights_stepped_without_masters():
     assert _sharding(o3, 2) == "bf16 weights and optimizer state over 2 ranks"
     assert _sharding(o0, 2) == "FP32 weights and optimizer state over 2 ranks"
     assert _sharding(o2, 2) == "FP32 masters and optimizer state over 2 ranks"
+
+
+def test_inspect_counts_the_parameters_of_activation_checkpointed_blocks(tmp_path):
+    """checkpoint_wrapper's parameters are named "_checkpoint_wrapped_module." inside, its state
+    dict keys are not: inspect raised KeyError (an audit); consolidate and loads worked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 2))
+    model, opt = distamp.wrap(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0
+    )
+    distamp.save_checkpoint(tmp_path / "c", model, opt)
+    summary = distamp.checkpoint.inspect(tmp_path / "c")
+    assert summary["parameters"] == 4 * 8 + 8 + 8 * 2 + 2, summary

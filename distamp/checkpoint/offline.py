@@ -178,7 +178,25 @@ def inspect(directory: PathLike, *, verify: bool = False) -> dict[str, Any]:
             if canonical in counted:
                 continue
             counted.add(canonical)
-            params += numel(entry["keys"][key][0])
+            # A parameter's name may hold a wrapper's part the state dict's keys drop (torch's
+            # checkpoint_wrapper: "_checkpoint_wrapped_module."; an audit: inspect raised
+            # KeyError where consolidate and load_checkpoint worked)
+            wrapped = "_checkpoint_wrapped_module."
+            shape_key = next(
+                (
+                    k
+                    for k in (
+                        key,
+                        canonical,
+                        key.replace(wrapped, ""),
+                        canonical.replace(wrapped, ""),
+                    )
+                    if k in entry["keys"]
+                ),
+                None,
+            )
+            if shape_key is not None:
+                params += numel(entry["keys"][shape_key][0])
     sizes = {name: size for name, (size, _) in manifest["files"].items()}
     damaged = files.damaged_files(directory, manifest["files"], hashed=verify)
     return {

@@ -50,7 +50,7 @@ from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .scaler import ScalerGroup, split_loss_scale
 
-BlockSpec = Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None
+BlockSpec = Sequence[type[nn.Module] | nn.Module] | Callable[[nn.Module], bool] | None
 
 
 class FSDPParams(ModelGrads):
@@ -305,9 +305,50 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
     elif callable(blocks) and not isinstance(blocks, (list, tuple)):
         chosen = blocks
     else:
-        classes = tuple(blocks)
-        chosen = lambda m: isinstance(m, classes)  # noqa: E731
+        classes = tuple(b for b in blocks if isinstance(b, type))
+        ids = {id(b) for b in blocks if isinstance(b, nn.Module)}
+        chosen = lambda m: isinstance(m, classes) or id(m) in ids  # noqa: E731
     return [m for m in _post_order(model) if m is not model and chosen(m)]
+
+
+def _check_blocks(blocks: object) -> BlockSpec:
+    """``blocks`` as :func:`_blocks` takes it, refused by name before anything changes. A bare
+    class (``blocks=Block`` for ``[Block]``) was called as a predicate, constructing a Block of
+    every submodule; module objects (torch's ``fully_shard`` takes those: ``list(model.blocks)``,
+    ``model.blocks``) failed inside isinstance or forward, after the model was cast (an audit).
+    Classes and module objects are both taken now, a container standing for its children."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, type):
+        if not issubclass(blocks, nn.Module):
+            raise TypeError(
+                f"distamp.fsdp.fully_shard: blocks: expected nn.Module classes, found the class "
+                f"{blocks.__name__}"
+            )
+        return (blocks,)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return tuple(blocks)
+    if isinstance(blocks, nn.Module):
+        return (blocks,)
+    if isinstance(blocks, (list, tuple)):
+        for i, entry in enumerate(blocks):
+            if not (
+                (isinstance(entry, type) and issubclass(entry, nn.Module))
+                or isinstance(entry, nn.Module)
+            ):
+                raise TypeError(
+                    f"distamp.fsdp.fully_shard: blocks[{i}]: expected an nn.Module class (the "
+                    f"blocks' type, [Block]) or a module of the model, found "
+                    f"{type(entry).__name__} {entry!r:.60}"
+                )
+        return tuple(blocks)
+    if callable(blocks):
+        return blocks
+    raise TypeError(
+        f"distamp.fsdp.fully_shard: blocks: expected None, a list of nn.Module classes or modules, "
+        f"or a function of a module returning True for each FSDP unit, found "
+        f"{type(blocks).__name__} {blocks!r:.60}"
+    )
 
 
 def _warn_blocks_in_a_sequential(model: nn.Module) -> None:
@@ -489,6 +530,7 @@ def fully_shard(
         props = dataclasses.replace(props, shard_master_weights=world > 1)
         names = check_models([model], meta_ok=True)
         check_optimizers([optimizer], names, api="distamp.fsdp.fully_shard")
+        blocks = _check_blocks(blocks)
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
     )

@@ -910,3 +910,41 @@ def test_blocks_in_a_sequential_are_named_with_blocks_to_pass():
     assert run_ranks(_blocks_in_a_sequential, 2, [_Block])[0] == []
     # a stack of layers is not blocks (the advice blocks=[Linear] would shard each one)
     assert run_ranks(_blocks_in_a_sequential, 2, None, True)[0] == []
+
+
+def _units_for(rank, world, how):
+    model = nn.Sequential(nn.Sequential(*(_Block() for _ in range(3))), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    blocks = {
+        "class": _Block,
+        "list of classes": [_Block],
+        "modules": list(model[0]),
+        "container": model[0],
+        "int": 3,
+        "names": ["_Block"],
+    }[how]
+    try:
+        model, opt = distamp.fsdp.fully_shard(
+            model, opt, opt_level="O2", blocks=blocks, verbosity=0
+        )
+    except TypeError as exc:
+        untouched = all(
+            type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters()
+        )
+        return str(exc), untouched
+    return sum(hasattr(m, "_get_fsdp_state") for m in model.modules()), None
+
+
+def test_blocks_takes_a_class_classes_or_modules_and_refuses_the_rest_before_changing_anything():
+    """blocks=Block (for [Block]) built a Block of every submodule; module objects (torch's
+    fully_shard takes those) failed inside isinstance or forward, and bad values after the model
+    was cast (an audit)."""
+    for how in ("class", "list of classes", "modules", "container"):
+        units, _ = run_ranks(_units_for, 2, how)[0]
+        assert units == 4, (how, units)  # three blocks and the root
+    for how, expected in (
+        ("int", "blocks: expected None, a list"),
+        ("names", "blocks[0]: expected"),
+    ):
+        message, untouched = run_ranks(_units_for, 2, how)[0]
+        assert expected in message and untouched, (how, message)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -290,18 +291,48 @@ def load_state_dict(state: dict[str, Any]) -> None:
             f"amp.load_state_dict: expected {len(group.scalers)} loss scaler(s) (num_losses), "
             f"found {len(state)}: {sorted(state)}"
         )
-    for i, scaler in enumerate(group.scalers):
+    # Every scaler's entry is checked before any is loaded (an audit: loss_scaler0 was loaded,
+    # then loss_scaler1 refused; a missing loss_scale was a bare KeyError).
+    loaded: list[tuple[float, int]] = []
+    for i in range(len(group.scalers)):
         key = f"loss_scaler{i}"
         if key not in state:
             raise ValueError(f"amp.load_state_dict: expected key {key!r}, found {sorted(state)}")
-        scale = float(state[key]["loss_scale"])
-        if not 0 < scale < float("inf"):
-            raise ValueError(f"amp.load_state_dict: {key}: expected a positive finite loss_scale")
+        entry = state[key]
+        if not isinstance(entry, dict) or "loss_scale" not in entry:
+            found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(
+                f"amp.load_state_dict: {key}: expected apex's {{'loss_scale': ..., "
+                f"'unskipped': ...}}, found {found}"
+            )
+        scale, unskipped = entry["loss_scale"], entry.get("unskipped", 0)
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        if isinstance(unskipped, torch.Tensor) and unskipped.numel() == 1:
+            unskipped = unskipped.item()
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, numbers.Real)
+            or not (0 < float(scale) < float("inf"))
+        ):
+            raise ValueError(
+                f"amp.load_state_dict: {key}: expected a positive finite loss_scale, got {scale!r}"
+            )
+        if (
+            isinstance(unskipped, bool)
+            or not isinstance(unskipped, numbers.Integral)
+            or int(unskipped) < 0
+        ):
+            raise ValueError(
+                f"amp.load_state_dict: {key}: expected unskipped as a count >= 0, got {unskipped!r}"
+            )
+        loaded.append((float(scale), int(unskipped)))
+    for i, (scaler, (scale, unskipped)) in enumerate(zip(group.scalers, loaded, strict=True)):
         if scaler.dynamic:  # the bounds optimizer.load_state_dict keeps (called before this)
-            scaler.set_loaded_scale(scale, f"amp.load_state_dict's {key}", stacklevel=3)
+            scaler.set_loaded_scale(scale, f"amp.load_state_dict's loss_scaler{i}", stacklevel=3)
         else:  # apex's static scaler takes the loaded value (apex's own tests set it so)
             scaler.scale = scale
-        scaler.clean_steps = int(state[key].get("unskipped", 0))
+        scaler.clean_steps = unskipped
 
 
 # -- per-function precision -----------------------------------------------------------------------

@@ -355,24 +355,48 @@ class GradScaler:
                 f"GradScaler.load_state_dict: expected torch.amp.GradScaler keys, missing "
                 f"{sorted(missing)}"
             )
-        scale = state_dict["scale"]
-        scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+
+        # Every entry is read and checked before any is set (an audit: a bad growth_interval
+        # raised a bare int() error with the scale already loaded; factors the constructor
+        # refuses loaded silently).
+        def number(key: str) -> float:
+            value = state_dict[key]
+            value = value.item() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"GradScaler.load_state_dict: {key}: expected a number, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            return float(value)
+
+        scale = number("scale")
         if not (0 < scale < float("inf")):
             raise ValueError(
                 f"GradScaler.load_state_dict: expected a positive finite scale, got {scale}"
             )
-        self._scaler.scale = _fp32(scale)
-        tracker = state_dict["_growth_tracker"]
-        self._scaler.clean_steps = int(
-            tracker.item() if isinstance(tracker, torch.Tensor) else tracker
-        )
-        for key, attr in (
-            ("growth_factor", "growth_factor"),
-            ("backoff_factor", "backoff_factor"),
-            ("growth_interval", "growth_interval"),
+        tracker = number("_growth_tracker")
+        if tracker < 0 or tracker != int(tracker):
+            raise ValueError(
+                f"GradScaler.load_state_dict: _growth_tracker: expected a count >= 0, got {tracker}"
+            )
+        settings: dict[str, float] = {}
+        for key, low, high in (
+            ("growth_factor", 1.0, float("inf")),
+            ("backoff_factor", 0.0, 1.0),
+            ("growth_interval", 0.0, float("inf")),
         ):
             if key in state_dict:
-                setattr(self._scaler, attr, type(getattr(self._scaler, attr))(state_dict[key]))
+                value = number(key)
+                if not low < value < high or (key == "growth_interval" and value != int(value)):
+                    raise ValueError(
+                        f"GradScaler.load_state_dict: {key}: expected a value in ({low:g}, "
+                        f"{high:g}){' (an int)' if key == 'growth_interval' else ''}, got {value:g}"
+                    )
+                settings[key] = value
+        self._scaler.scale = _fp32(scale)
+        self._scaler.clean_steps = int(tracker)
+        for key, value in settings.items():
+            setattr(self._scaler, key, int(value) if key == "growth_interval" else value)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._per_optimizer:

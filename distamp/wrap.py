@@ -958,6 +958,11 @@ def clip_grad_norm_(
             params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
         )
     (st,) = states
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() != 1:
+        raise ValueError(
+            f"clip_grad_norm_: max_norm: expected a number or a 1-element tensor, got a tensor "
+            f"of shape {tuple(max_norm.shape)}"
+        )
     if (
         isinstance(max_norm, bool)
         or not isinstance(max_norm, (int, float, torch.Tensor))
@@ -966,6 +971,12 @@ def clip_grad_norm_(
         raise ValueError(
             f"clip_grad_norm_: max_norm: expected a non-negative number, got {max_norm!r}"
         )
+    try:  # torch takes 'inf' and '2' too; checked before anything is unscaled (an audit)
+        norm_type = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"clip_grad_norm_: norm_type: expected a number or 'inf', got {norm_type!r}"
+        ) from None
     drop_cleared_gradients(st)
     if st.state is OptState.SCALED:
         st.group.unscale_and_decide(st, "distamp.clip_grad_norm_()")

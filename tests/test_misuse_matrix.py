@@ -606,3 +606,75 @@ def test_backward_on_the_unscaled_loss_inside_scale_loss_warns():
         warnings.simplefilter("error")  # the right way warns nothing
         with distamp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
             (scaled / 2).backward()
+
+
+def test_bad_scaler_state_dicts_are_refused_before_anything_is_loaded():
+    """GradScaler.load_state_dict set the scale, then raised a bare int() error on a bad
+    growth_interval, and loaded factors its constructor refuses; amp.load_state_dict loaded
+    loss_scaler0 before refusing loss_scaler1 (an audit)."""
+    scaler = distamp.GradScaler("cpu", init_scale=8.0)
+    for bad, message in (
+        ({"scale": 1024.0, "_growth_tracker": 5, "growth_interval": "x"}, "growth_interval"),
+        ({"scale": 1024.0, "_growth_tracker": "abc"}, "_growth_tracker"),
+        ({"scale": 1024.0, "_growth_tracker": 0, "growth_factor": 0.5}, "growth_factor"),
+        ({"scale": 1024.0, "_growth_tracker": 0, "backoff_factor": 4.0}, "backoff_factor"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            scaler.load_state_dict(bad)
+        assert scaler.get_scale() == 8.0 and scaler.state_dict()["_growth_tracker"] == 0
+    from distamp import amp
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level="O1", num_losses=2, verbosity=0)
+    before = amp.state_dict()
+    for bad in (
+        {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler1": {"unskipped": 1}},
+        {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler1": {"loss_scale": -1}},
+        {
+            "loss_scaler0": {"loss_scale": 8.0, "unskipped": "x"},
+            "loss_scaler1": before["loss_scaler1"],
+        },
+    ):
+        with pytest.raises(ValueError, match="amp.load_state_dict: loss_scaler"):
+            amp.load_state_dict(bad)
+        assert amp.state_dict() == before
+
+
+def test_add_param_group_with_names_of_another_length_changes_nothing():
+    """The masters took the parameters before torch's zip() of names failed: the corrected retry
+    was refused as "already held by this optimizer" (an audit)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model[0].named_parameters(), lr=0.1)  # torch's named optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # model[1] is held by no optimizer yet: named, expected
+        model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    new = list(model[1].parameters())
+    with pytest.raises(ValueError, match="found 1 names for 2 parameters"):
+        opt.add_param_group({"params": new, "param_names": ["1.weight"]})
+    opt.add_param_group({"params": new, "param_names": ["1.weight", "1.bias"]})  # corrected
+    assert len(opt.param_groups) == 2
+
+
+def test_clip_grad_norm_takes_torchs_norm_types_and_refuses_others_before_unscaling():
+    model = nn.Linear(2, 2)
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    with distamp.scale_loss(model(torch.ones(1, 2)).float().sum(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(ValueError, match="norm_type: expected a number or 'inf', got None"):
+        distamp.clip_grad_norm_(opt, 1.0, norm_type=None)
+    grad = model.weight.grad.clone()  # still scaled: nothing was unscaled by the refusal
+    assert grad.abs().max() > 1000
+    total = distamp.clip_grad_norm_(opt, 1e9, norm_type="inf")
+    assert float(total) == float((grad / distamp.stats(opt).loss_scales[0]).abs().max())
+
+
+def test_latest_checkpoint_given_a_checkpoint_returns_it_with_a_warning(tmp_path):
+    """None sent the resume recipe training from scratch, silently (an audit)."""
+    model, opt = stepped()
+    distamp.save_checkpoint(tmp_path / "step_1", model, opt)
+    with pytest.warns(UserWarning, match="is a checkpoint itself"):
+        assert distamp.latest_checkpoint(tmp_path / "step_1") == str(tmp_path / "step_1")
+    assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "step_1")
+    with pytest.raises(TypeError, match="latest_checkpoint: root"):
+        distamp.latest_checkpoint(3)

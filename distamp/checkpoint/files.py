@@ -355,7 +355,21 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     does not match their manifest are ignored; one whose data files are missing or cut short is
     skipped with a warning (the next newest is returned). Not a collective: any rank may call it.
     """
+    if isinstance(root, bool) or not isinstance(root, (str, os.PathLike)):
+        raise TypeError(
+            f"latest_checkpoint: root: expected the folder holding the checkpoints (a str or "
+            f"path), got {type(root).__name__} {root!r}"
+        )
     intact = list_checkpoints(root, warn=True)
+    if not intact and (Path(root) / COMMIT).is_file():
+        # The checkpoint itself given for the folder holding them: None sent the README's resume
+        # recipe training from scratch, silently (an audit).
+        warnings.warn(
+            f"latest_checkpoint: expected the folder holding the checkpoints, found {str(root)!r} "
+            "is a checkpoint itself: returning it (pass its parent folder to choose the newest)",
+            stacklevel=2,
+        )
+        return str(root)
     return intact[-1][1] if intact else None
 
 

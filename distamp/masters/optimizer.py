@@ -397,6 +397,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             )
         st.group.check_new_params(params, st)
         self._refuse_what_torch_refuses(param_group, named=names is not None)
+        if names is not None and len(names) != len(params):  # before the masters take them
+            raise ValueError(
+                f"optimizer.add_param_group: expected one name per parameter in param_names, "
+                f"found {len(names)} names for {len(params)} parameters"
+            )
         if st.masters.sharded:
             # The new group is laid out flat in this order: ranks listing the same parameters in
             # another order (a list(set(...)) while unfreezing) would own other elements and

@@ -654,6 +654,22 @@ def cast_model(model: nn.Module, props: Properties, device_type: str, plan: Prec
         AmpModule,
         {"_distamp_policy": cast_policy(props, device_type), "_distamp_properties": props},
     )
+    warn_about_instance_forward(model, props, "distamp.wrap")
+
+
+def warn_about_instance_forward(model: nn.Module, props: Properties, api: str) -> None:
+    """A ``forward`` set on the instance (a user's patch, accelerate's ``convert_outputs_to_fp32``)
+    is what Python calls, not the class-level forward distamp gives the model: O1 trained in plain
+    FP32, silently (an audit)."""
+    if "forward" in model.__dict__ and (props.patch_torch_functions or props.model_is_cast):
+        warn_from_caller(
+            f"{api}: model.forward is set on the instance ({model.__dict__['forward']!r:.80}), "
+            "so Python calls it instead of the forward distamp gives the model's class: "
+            f"{'autocast' if props.patch_torch_functions else 'the input casts'} of "
+            f"{props.opt_level} do not run in it. Delete it before wrapping (del model.forward) "
+            "and put what it did in the class's forward, or call the wrapped forward from it "
+            "(type(model).forward(model, ...))"
+        )
 
 
 def is_wrapped(model: nn.Module) -> bool:

@@ -698,6 +698,7 @@ def _set_forward_classes(model: nn.Module, props: Properties, device_type: str) 
             casting.AmpModule,
             {"_distamp_policy": policy, "_distamp_properties": props},
         )
+        casting.warn_about_instance_forward(model, props, "distamp.fsdp.fully_shard")
 
 
 def _norm_units(model: nn.Module, props: Properties) -> list[nn.Module]:

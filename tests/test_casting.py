@@ -438,3 +438,17 @@ def test_modules_hugging_face_keeps_fp32_are_named_when_o2_casts_them(opt_level)
         assert named == []
     else:
         assert len(named) == 1 and "['wo']" in named[0] and "'wo.weight'" in named[0], named
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_forward_set_on_the_instance_is_named(opt_level):
+    """Python calls an instance's own forward before the class's: O1 trained in FP32 silently
+    (an audit: accelerate's convert_outputs_to_fp32, user patches)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    original = model.forward
+    model.forward = lambda x: original(x)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level)
+    named = [w for w in seen if "model.forward is set on the instance" in str(w.message)]
+    assert len(named) == (0 if opt_level == "O0" else 1), [str(w.message) for w in seen]

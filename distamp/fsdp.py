@@ -401,6 +401,16 @@ def _group_of_mesh(mesh: Any, process_group: dist.ProcessGroup | None, api: str)
     loss scales parted, the shards half-updated (an audit, a mesh per pair of ranks, nothing
     warned). A 1-D mesh without ``process_group`` brings its own group.
     """
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"distamp.fsdp.fully_shard: process_group: expected a torch.distributed ProcessGroup "
+            f"or None, got {type(process_group).__name__} {process_group!r:.60}"
+        )
+    if mesh is not None and not hasattr(mesh, "get_group"):
+        raise TypeError(
+            f"distamp.fsdp.fully_shard: mesh: expected a DeviceMesh (init_device_mesh) or None, "
+            f"got {type(mesh).__name__} {mesh!r:.60}"
+        )
     group = process_group or dist.group.WORLD
     if mesh is None:
         return group

@@ -85,8 +85,27 @@ class GradScaler:
                 f"max_consecutive_skips: expected an int >= 1 or None, got "
                 f"{max_consecutive_skips!r}"
             )
-        if not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
+        if (
+            isinstance(init_scale, bool)
+            or not isinstance(init_scale, (int, float))
+            or not 0 < init_scale < float("inf")
+        ):
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
+        checked = [("max_scale", max_scale)]
+        if enabled:  # torch checks the factors only when enabled
+            checked += [("growth_factor", growth_factor), ("backoff_factor", backoff_factor)]
+        for name, value in checked:  # a bare comparison TypeError named neither (an audit)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"GradScaler: {name}: expected a number, got {type(value).__name__} {value!r}"
+                )
+        if not max_scale > 0:
+            raise ValueError(f"GradScaler: max_scale: expected a positive number, got {max_scale}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"GradScaler: process_group: expected a torch.distributed ProcessGroup or None, "
+                f"got {type(process_group).__name__} {process_group!r:.60}"
+            )
         if enabled and isinstance(growth_factor, (int, float)) and growth_factor <= 1.0:
             # torch's type and message (scripts written for torch.amp catch AssertionError)
             raise AssertionError(

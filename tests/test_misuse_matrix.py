@@ -678,3 +678,22 @@ def test_latest_checkpoint_given_a_checkpoint_returns_it_with_a_warning(tmp_path
     assert distamp.latest_checkpoint(tmp_path) == str(tmp_path / "step_1")
     with pytest.raises(TypeError, match="latest_checkpoint: root"):
         distamp.latest_checkpoint(3)
+
+
+def test_arguments_of_the_wrong_type_are_named_by_the_function_that_takes_them(tmp_path):
+    """Bare errors from pathlib and comparisons named neither function nor argument (an
+    audit)."""
+    model, opt = stepped()
+    with pytest.raises(TypeError, match="save_checkpoint: directory: expected a str or path"):
+        distamp.save_checkpoint(3, model, opt)
+    with pytest.raises(TypeError, match="load_checkpoint: directory: expected a str or path"):
+        distamp.load_checkpoint(3, model, opt)
+    for kwargs, name in (
+        ({"growth_factor": "2"}, "growth_factor"),
+        ({"backoff_factor": "0.5"}, "backoff_factor"),
+        ({"max_scale": "x"}, "max_scale"),
+        ({"process_group": "x"}, "process_group"),
+    ):
+        with pytest.raises(TypeError, match=f"GradScaler: {name}: expected"):
+            distamp.GradScaler("cpu", **kwargs)
+    distamp.GradScaler("cpu", enabled=False, growth_factor="2")  # unchecked when off, as torch

@@ -146,6 +146,16 @@ class _Target:
 # -- save ---------------------------------------------------------------------------------------
 
 
+def _check_path(directory: object, api: str) -> None:
+    """pathlib's "expected str, bytes or os.PathLike object, not int" named neither the function
+    nor the argument (an audit)."""
+    if isinstance(directory, bool) or not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"{api}: directory: expected a str or path of the checkpoint folder, got "
+            f"{type(directory).__name__} {directory!r:.60}"
+        )
+
+
 def save_checkpoint(
     directory: PathLike, model: Any, optimizer: Any, *, extra: dict[str, Any] | None = None
 ) -> str:
@@ -157,6 +167,7 @@ def save_checkpoint(
     directory appears only once every rank has finished (an existing one is replaced), so a crash
     leaves the previous checkpoint intact. Returns the directory.
     """
+    _check_path(directory, "save_checkpoint")
     target = _Target(model, optimizer, "save_checkpoint")
     for view in target.views:  # see [Note: weights written after wrap] in masters/base.py
         if view.st is not None:
@@ -634,6 +645,7 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
             "load_checkpoint: expected a checkpoint directory, got None (latest_checkpoint(root) "
             "returns None when root holds no complete checkpoint: start fresh in that case)"
         )
+    _check_path(directory, "load_checkpoint")
     target = _Target(model, optimizer, "load_checkpoint")
     directory = Path(directory)
     pg = target.pg

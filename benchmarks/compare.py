@@ -1006,6 +1006,29 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def warm_deepspeed_ops(timeout: float = 900.0) -> None:
+    """DeepSpeed's first ``initialize`` on a CPU JIT-compiles its shared-memory comm op (~1 min
+    on 2 cores, longer beside other work): inside a row it ran past ``--timeout``, and the build
+    killed there left torch's extension ``lock`` file behind, on which every later DeepSpeed row
+    waited forever (seen on a fresh machine). Built here once, in one process, before any row
+    (cached in ~/.cache/torch_extensions: later runs take no time). Absent DeepSpeed: nothing."""
+    code = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+        "b is None or b.load()\n"
+    )
+    try:
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        print(f"compare.py: DeepSpeed's op build ran past {timeout:.0f} s", file=sys.stderr)
+
+
 def main() -> int:
     """The comparison's exit code: 1 when no row trained (every one failed or was skipped)."""
     args = parse_args()
@@ -1049,6 +1072,8 @@ def main() -> int:
         "link_bits": link_bits,
         "compute": compute,
     }
+    if any(c.startswith("DeepSpeed") for c in configs):
+        warm_deepspeed_ops()
     runs: dict[str, list[Any]] = {c: [] for c in configs}
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="distamp-compare-"))

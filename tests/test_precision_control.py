@@ -59,6 +59,15 @@ def test_keep_fp32_modules_pattern_that_matches_nothing_is_refused():
     assert model.inp.weight.dtype == torch.float32  # nothing was cast
 
 
+def test_keep_fp32_modules_of_another_type_is_refused_by_name():
+    """An audit: keep_fp32_modules=3 failed with Python's bare "'int' object is not iterable"."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"keep_fp32_modules: expected a module.*got int \(3\)"):
+        distamp.wrap(model, opt, opt_level="O2", keep_fp32_modules=3)
+    assert model.inp.weight.dtype == torch.float32
+
+
 def test_autocast_exclude_under_o1():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -79,9 +79,9 @@ class CastPolicy:
 def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (apex's applier).
 
-    Walks lists, tuples, namedtuples, mappings (their type kept: a defaultdict stays one) and
-    dataclasses; other objects with a ``.to()`` method (e.g. a batch object) get ``.to(dtype)``;
-    integer tensors, strings, numbers and NumPy arrays pass through untouched. ``saturate``: see
+    Walks lists, tuples, namedtuples, mappings (their type kept: a defaultdict stays one),
+    dataclasses, and the attributes of other objects with a ``.to()`` method (a batch object: see
+    [Note: batch objects]); integer tensors, strings, numbers and NumPy arrays pass through untouched. ``saturate``: see
     :func:`saturating_cast`.
     """
     if isinstance(value, torch.Tensor):
@@ -124,8 +124,28 @@ def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> 
                 )
         return out
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
-        return value.to(dtype)
+        return _cast_batch_object(value, dtype, saturate=saturate)
     return value
+
+
+def _cast_batch_object(value: Any, dtype: torch.dtype, *, saturate: bool) -> Any:
+    """[Note: batch objects] apex hands an object with a ``.to()`` method (a script's batch class)
+    ``.to(dtype)``. The usual helper passes its arguments to every tensor it holds, so the token
+    ids and labels arrived as bf16, rounded (999 -> 1000): a forward that took ``.long()`` of
+    them trained on the wrong tokens, silently (an audit). A copy with the floating tensors of
+    its ``__dict__`` cast (the dataclass walk above) leaves them alone; an object without one
+    (``__slots__``), or that cannot be copied, still gets its own ``.to(dtype)``."""
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and fields:
+        try:
+            out = copy.copy(value)
+        except Exception:  # (a copy refused: the object's own to() below)
+            out = value
+        if out is not value and isinstance(getattr(out, "__dict__", None), dict):
+            for key, field in fields.items():
+                out.__dict__[key] = cast_floating(field, dtype, saturate=saturate)
+            return out
+    return value.to(dtype)
 
 
 def saturating_cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

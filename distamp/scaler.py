@@ -375,6 +375,12 @@ class ScalerGroup:
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""
+        self.probe_params: list[tuple[weakref.ref[nn.Module], str, weakref.ref[nn.Parameter]]]
+        self.probe_params = []
+        """(model, name, parameter) of the dtype probes an optimizer holds, as wrap left them:
+        see [Note: parameters replaced after wrap] in masters/optimizer.py."""
+        self.wrapped_params: dict[tuple[int, str], int] = {}
+        """(model index, name) -> id of the parameter an optimizer held there at wrap."""
         self.hooked_ignored: set[int] = set()
         """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
         self.fp16_all_reduce = False

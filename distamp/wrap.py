@@ -217,6 +217,17 @@ def wrap(
         _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names, template)
     scalers.models = [weakref.ref(m) for m in model_list]
+    held = {id(p) for master in masters for p in master.model_params}
+    for index, model in enumerate(model_list):
+        named = dict(model.named_parameters())
+        scalers.wrapped_params.update(
+            {(index, n): id(p) for n, p in named.items() if id(p) in held}
+        )
+        scalers.probe_params += [
+            (weakref.ref(model), n, weakref.ref(named[n]))
+            for n, _ in model._distamp_dtype_probes
+            if n in named and id(named[n]) in held
+        ]
     _register_state_hooks(model_list, plan, scalers, cast_names, cast_ids)
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         state = AmpOptimizerState(scalers, index, master)

@@ -265,6 +265,39 @@ def test_o2_casts_floating_inputs_and_leaves_integer_inputs_alone():
     assert out.dtype == torch.float32
 
 
+class Batch:
+    """A script's batch class: its to() passes every argument on to every tensor it holds."""
+
+    def __init__(self, tokens, labels, features):
+        self.tokens, self.labels, self.features = tokens, labels, features
+
+    def to(self, *args, **kwargs):
+        return Batch(*(t.to(*args, **kwargs) for t in (self.tokens, self.labels, self.features)))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_batch_object_keeps_its_integer_tensors_under_o2_and_o3(level):
+    """An audit: apex hands such an object .to(half), which rounded the token ids and labels to
+    bf16 (999 -> 1000): a forward taking .long() of them trained on the wrong tokens, silently.
+    Its floating tensors are cast, the others left alone, the caller's batch untouched."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1024, 4)
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            self.seen = (batch.tokens.dtype, batch.labels.tolist(), batch.features.dtype)
+            return self.fc(self.emb(batch.tokens.long()) + batch.features)
+
+    model = distamp.wrap(Net(), opt_level=level)
+    batch = Batch(torch.tensor([3, 517]), torch.tensor([999, 257]), torch.randn(2, 4))
+    model(batch)
+    assert model.seen == (torch.int64, [999, 257], torch.bfloat16)
+    assert batch.features.dtype == torch.float32
+
+
 class BatchDict(dict):
     """A batch type with its own attribute and an update() it forbids (HF ModelOutput style)."""
 

@@ -114,6 +114,58 @@ def test_a_dtype_conversion_after_wrap_is_named_at_the_next_forward(name):
         model(torch.randn(2, 8))
 
 
+def _assign_in_the_same_dtypes(rank, world, level, shard):
+    """load_state_dict(sd, assign=True) after wrap with the dtypes wrap left: the next step."""
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {"shard_master_weights": shard} if world > 1 else {}
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **extra)
+    state = {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()}
+    model.load_state_dict(state, assign=True)  # (the dtypes wrap left: no forward notices)
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = ddp(torch.randn(4, 8)).float().pow(2).mean()
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        still = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return str(exc), still, distamp.stats(opt).steps
+    return "stepped", None, distamp.stats(opt).steps
+
+
+@pytest.mark.parametrize(
+    "level, world, shard",
+    [("O1", 1, False), ("O2", 1, False), ("O1", 2, False), ("O1", 2, True), ("O2", 2, True)],
+)
+def test_parameters_replaced_after_wrap_are_named_at_the_next_step(level, world, shard):
+    """An audit: at O1 (and O2 with the dtypes wrap left) load_state_dict(..., assign=True) after
+    wrap put new Parameters in the model; the optimizer stepped the old ones and training was a
+    silent no-op, every step counted, none skipped."""
+    outcomes = run_ranks(_assign_in_the_same_dtypes, world, level, shard)
+    for message, unchanged, steps in outcomes:
+        assert "other Parameter objects than the ones distamp.wrap gave" in message, message
+        assert "'0.weight', '0.bias'" in message and "assign=True" in message
+        assert unchanged and steps == 0
+
+
+def test_a_parameter_replaced_outside_the_probes_is_named_when_no_stepped_one_has_a_gradient():
+    """Not the first parameters (which each step reads) but every other one replaced: the step
+    that finds none of its parameters holding a gradient names them."""
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.SGD(model[3].parameters(), lr=0.1)  # (a head fine-tuned alone)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+    model[3] = nn.Linear(16, 4)  # a new head: the optimizer holds the old one
+    loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match=r"'3.weight', '3.bias' of the wrapped model are other"):
+        opt.step()
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 @pytest.mark.parametrize("convert", ["float", "half", "double"])
 def test_a_copy_of_a_wrapped_model_converts_and_runs_in_its_own_dtype(how, convert):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.optim.optimizer import required
 
 from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
@@ -256,6 +257,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         no_grads = all(p.grad is None for p in st.masters.model_params)
         if no_grads:
             _refuse_gradients_fsdp_still_holds(st)
+            if not st.masters.fsdp:
+                _refuse_params_replaced_everywhere(st)
             fsdp = st.group.sharded_by_fsdp_after_wrap()
             if fsdp is not None:
                 raise RuntimeError(
@@ -1073,6 +1076,7 @@ def _refuse_converted_params(st: AmpOptimizerState) -> None:
     later (``add_param_group``) are recorded at their first step."""
     if st.masters.fsdp:
         return  # (FSDP's sharded parameters are its own; their dtype is FSDP's business)
+    _refuse_replaced_params(st)
     known = st.param_dtypes
     for param in st.masters.model_params:
         dtype = known.setdefault(id(param), param.dtype)
@@ -1084,6 +1088,68 @@ def _refuse_converted_params(st: AmpOptimizerState) -> None:
                 "of a wrapped model or of its submodules (.float()/.half()/.to(dtype), "
                 "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model"
             )
+
+
+def _refuse_replaced_params(st: AmpOptimizerState) -> None:
+    """[Note: parameters replaced after wrap] ``model.load_state_dict(sd, assign=True)`` after
+    wrap (in the dtypes wrap left: always at O1) puts new Parameter objects in the model; the
+    optimizer and the masters kept stepping the old ones, the model's new ones gathered
+    gradients, and training was a silent no-op — every step counted, none skipped (an audit).
+    Each step reads the parameters at the two probe names (see [Note: dtypes changed after
+    wrap] in casting.py) and, when a step finds none of its parameters holding a gradient, every
+    parameter of the models: one of the optimizer's names now holding another object is named.
+    (Read at step(), never in forward: ``torch.func.functional_call`` swaps tensors in for a
+    call.)"""
+    for model_ref, name, param_ref in st.group.probe_params:
+        model, param = model_ref(), param_ref()
+        if model is not None and param is not None:
+            now = _parameter_at(model, name)
+            if isinstance(now, nn.Parameter) and now is not param:
+                _raise_replaced(st, _replaced_names(st, with_grad=False) or [name])
+
+
+def _refuse_params_replaced_everywhere(st: AmpOptimizerState) -> None:
+    """The thorough half of [Note: parameters replaced after wrap], on a step that found no
+    gradient on any of its parameters after a ``scale_loss`` block."""
+    replaced = _replaced_names(st, with_grad=True)
+    if replaced:
+        _raise_replaced(st, replaced)
+
+
+def _replaced_names(st: AmpOptimizerState, *, with_grad: bool) -> list[str]:
+    """Names of this optimizer's parameters at wrap that hold another Parameter now (with a
+    gradient, if ``with_grad``)."""
+    held = {id(p) for p in st.masters.model_params}
+    replaced = []
+    for index, ref in enumerate(st.group.models):
+        model = ref()
+        for name, param in model.named_parameters() if model is not None else ():
+            old = st.group.wrapped_params.get((index, name))
+            if old in held and id(param) != old and (param.grad is not None or not with_grad):
+                replaced.append(name)
+    return replaced
+
+
+def _parameter_at(model: nn.Module, name: str) -> object:
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        return None
+    return owner._parameters.get(leaf)
+
+
+def _raise_replaced(st: AmpOptimizerState, names: list[str]) -> None:
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    raise RuntimeError(
+        f"optimizer.step(): parameter(s) {', '.join(map(repr, names[:4]))}{more} of the wrapped "
+        "model are other Parameter objects than the ones distamp.wrap gave this optimizer "
+        "(replaced after wrap: model.load_state_dict(..., assign=True), a new nn.Parameter or "
+        "submodule set on the model, Hugging Face's resize_token_embeddings); the optimizer "
+        "would step the old ones and the model's would never change. Expected the parameters "
+        "wrap saw: load with load_state_dict(sd) (no assign: it copies into them and reaches "
+        "the masters) or distamp.load_checkpoint, and replace modules before wrap"
+    )
 
 
 def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:

@@ -447,6 +447,47 @@ def check_uncommitted(parser: argparse.ArgumentParser, path: Path) -> None:
         )
 
 
+def _held_by_another_run(lock: Any, flag: str, folder: str) -> str:
+    """The refusal for a lock file another process holds (closes it)."""
+    lock.seek(0)
+    other = lock.read().strip() or "another process"
+    lock.close()
+    return (
+        f"{flag} {folder}: expected no other run using it, found {other} holding "
+        f"{Path(folder) / RUN_LOCK} (two runs in one folder overwrite each other's "
+        "checkpoints and metrics): wait for it, or use another folder"
+    )
+
+
+def run_dirs_in_use(args: argparse.Namespace) -> str:
+    """Under --check-args of the one-node launch scripts (``DISTAMP_CHECK_RUN_LOCKS=1``): the
+    refusal :func:`hold_run_dirs` would give, found before torchrun starts (the lock is tried and
+    let go at once; the ranks' own lock stays the guard). Inside the ranks the refusal was
+    torchrun's exit code 1 after a ChildFailedError, and elastic.sh restarted it as a crash until
+    the other run ended and this one went on from its checkpoints (an audit). Not in
+    multinode.sh: another node's rank 0 of the same job may hold it already."""
+    for folder, flag in ((args.run_dir, "--run-dir"), (args.ckpt_dir, "--ckpt-dir")):
+        path = Path(folder) / RUN_LOCK if folder is not None else None
+        if path is None or not path.is_file():
+            continue
+        with open(path) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _held_by_another_run(lock, flag, folder)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return ""
+
+
+def check_run_dirs_free(args: argparse.Namespace) -> int:
+    """--check-args' exit code for the run folders (see :func:`run_dirs_in_use`)."""
+    refusal = run_dirs_in_use(args) if os.environ.get("DISTAMP_CHECK_RUN_LOCKS") == "1" else ""
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 def hold_run_dirs(args: argparse.Namespace, rank: int, device: torch.device) -> list[Any]:
     """Collective: rank 0 locks --ckpt-dir and --run-dir for the run (``flock``, released when
     the process ends, killed too); all ranks stop if another run holds one.
@@ -468,14 +509,7 @@ def hold_run_dirs(args: argparse.Namespace, rank: int, device: torch.device) -> 
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                lock.seek(0)
-                other = lock.read().strip() or "another process"
-                lock.close()
-                refusal = (
-                    f"{flag} {folder}: expected no other run using it, found {other} holding "
-                    f"{Path(folder) / RUN_LOCK} (two runs in one folder overwrite each other's "
-                    "checkpoints and metrics): wait for it, or use another folder"
-                )
+                refusal = _held_by_another_run(lock, flag, folder)
                 break
             lock.seek(0)
             lock.truncate()
@@ -1059,7 +1093,7 @@ def main() -> int:
     args = parse_args()
     if args.check_args:
         check_backend(args.backend)
-        return 0
+        return check_run_dirs_free(args)
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0
     args.locks = hold_run_dirs(args, rank, device)

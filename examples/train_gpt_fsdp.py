@@ -34,6 +34,7 @@ from train_gpt import (
     check_ckpt_dir,
     check_progress_arguments,
     check_resume,
+    check_run_dirs_free,
     continue_schedule,
     diverged,
     fp16_adam_eps,
@@ -103,7 +104,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.check_args:
-        return 0
+        return check_run_dirs_free(args)
     device, backend = setup_distributed()
     if backend is None:
         raise SystemExit("run under torchrun: FSDP needs a process group")

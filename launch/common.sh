@@ -47,5 +47,9 @@ check_args() {
             exec "$PY" "$@"
         fi
     done
-    LOCAL_WORLD_SIZE=$NPROC "$PY" "$@" --check-args || exit 2  # the ranks this node will run
+    # The run folders' locks too (a second run on them: exit 2 here, not torchrun's 1 after a
+    # traceback, nor restarted by --max-restarts); multinode.sh sets CHECK_RUN_LOCKS=0: another
+    # node's rank 0 of the same job may hold them already.
+    LOCAL_WORLD_SIZE=$NPROC DISTAMP_CHECK_RUN_LOCKS=${CHECK_RUN_LOCKS:-1} \
+        "$PY" "$@" --check-args || exit 2  # LOCAL_WORLD_SIZE: the ranks this node will run
 }

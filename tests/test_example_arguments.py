@@ -144,6 +144,45 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path, c
     again[0].close()
 
 
+@pytest.mark.parametrize("script", ["run.sh", "elastic.sh", "run_fsdp.sh"])
+def test_the_launch_scripts_refuse_a_folder_in_use_before_torchrun(tmp_path, script):
+    """An audit: the refusal came from inside the ranks, so run.sh exited with torchrun's 1 after
+    a ChildFailedError traceback, and elastic.sh restarted it as a crash until the first run
+    ended — then went on from that run's checkpoints, exit 0. --check-args tries the lock."""
+    import argparse
+    import subprocess
+
+    import torch
+    from train_gpt import hold_run_dirs
+
+    root = Path(__file__).resolve().parents[1]
+    held = hold_run_dirs(
+        argparse.Namespace(ckpt_dir=tmp_path, run_dir=None), 0, torch.device("cpu")
+    )
+    env = {**os.environ, "SKIP_SETUP": "1", "PYTHON": sys.executable, "CKPT": str(tmp_path)}
+    env["FAIL_AT"] = "0"
+    flags = ["--size", "micro", "--steps", "4", "--run-dir", str(tmp_path / "run")]
+    if script != "elastic.sh":
+        flags += ["--ckpt-dir", str(tmp_path)]
+    try:
+        done = subprocess.run(
+            ["bash", str(root / "launch" / script), *flags],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for lock in held:
+            lock.close()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--ckpt-dir {tmp_path}: expected no other run using it, found pid {os.getpid()}" in (
+        done.stderr
+    )
+    assert "ChildFailedError" not in done.stderr and "torch.distributed.run" not in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything ran
+
+
 def test_a_checkpoint_the_flags_cannot_load_is_refused_before_training(tmp_path, capsys):
     """Trained with --opt-level O2 --half-dtype fp16, resumed with the defaults: auto kept O2
     but built bf16 weights, and every rank refused the checkpoint with exit code 1 — at every

@@ -379,6 +379,53 @@ def test_a_framework_optimizer_holding_the_wrapped_one_is_taken_for_it(level):
     assert distamp.stats(opt).steps == 1 and distamp.stats(opt) == distamp.stats(inner)
 
 
+class ImitatingOptimizer:
+    """Lightning Fabric's _FabricOptimizer, as fabric.setup builds it: its instance's class
+    becomes a subclass of the held optimizer's own class (isinstance checks pass), and what its
+    instance lacks is read from the held optimizer (``__getattr__``)."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type(
+            "Fabric" + type(optimizer).__name__, (type(self), type(optimizer)), {}
+        )
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    def state_dict(self):
+        return self._optimizer.state_dict()
+
+    def step(self, closure=None):
+        return self._optimizer.step(closure)
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_framework_optimizer_imitating_the_wrapped_class_is_taken_for_it(level, tmp_path):
+    """An audit: on Fabric's wrapper .state, distamp.stats and save_checkpoint raised KeyError
+    'state' (distamp's state property read the wrapper's own __dict__)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model, inner = distamp.wrap(
+        model, torch.optim.AdamW(model.parameters(), lr=0.1), opt_level=level, verbosity=0
+    )
+    opt = ImitatingOptimizer(inner)
+    assert isinstance(opt, type(inner))
+    with distamp.scale_loss(model(torch.randn(16, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    distamp.clip_grad_norm_(opt, 1.0)
+    opt.step()
+    opt.zero_grad()
+    assert opt.state is inner.state and len(opt.state) == len(inner.state) > 0
+    assert distamp.stats(opt).steps == 1 and distamp.stats(opt) == distamp.stats(inner)
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt)
+    distamp.load_checkpoint(tmp_path / "ckpt", model, opt)
+
+
 def test_an_optimizer_a_framework_prepared_before_wrap_is_refused_naming_the_order():
     """accelerator.prepare(optimizer) before distamp.wrap: wrap took the AcceleratedOptimizer
     (an Optimizer whose __init__ never ran) and the first step failed with AttributeError

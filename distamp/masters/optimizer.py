@@ -224,7 +224,15 @@ class AmpOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:
         """See [Note: optimizer.state read by a model parameter]; torch's ``load_state_dict``
         puts a plain defaultdict back, taken over at the next read."""
-        held = self.__dict__["state"]
+        held = self.__dict__.get("state")
+        if held is None:
+            # A framework's wrapper that subclasses the optimizer's class and forwards what it
+            # lacks (Lightning Fabric's _FabricOptimizer): .state, distamp.stats and
+            # save_checkpoint raised KeyError 'state' on it (an audit).
+            inner = inner_optimizer(self)
+            if inner is None or inner is self:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute 'state'")
+            return inner.state
         if type(held) is not _MasterKeyedState:
             held = self.__dict__["state"] = _MasterKeyedState(held, self)
         return held
@@ -867,7 +875,12 @@ def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
     subclass that holds it as ``optimizer`` (accelerate's AcceleratedOptimizer: refused by name
     before, an audit); else None."""
     if isinstance(obj, torch.optim.Optimizer):
-        held = getattr(obj, "optimizer", None) if not isinstance(obj, AmpOptimizer) else None
+        if isinstance(obj, AmpOptimizer) and "_distamp" in obj.__dict__:
+            return obj
+        # (Lightning Fabric's wrapper subclasses the optimizer's class, distamp's included, and
+        # holds it as _optimizer; accelerate's holds it as optimizer)
+        fields = obj.__dict__
+        held = fields.get("_optimizer", fields.get("optimizer", getattr(obj, "optimizer", None)))
         return held if isinstance(held, AmpOptimizer) else obj
     inner = getattr(obj, "optim", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else None

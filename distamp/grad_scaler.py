@@ -187,6 +187,14 @@ class GradScaler:
             f"{type(outputs).__name__}"
         )
 
+    def unscaled(self, optimizers: tuple[object, ...]) -> bool:
+        """Whether :meth:`unscale_` (or a step) took one of ``optimizers`` (the one handed to
+        this scaler, or the distamp optimizer inside it) since the last :meth:`update`."""
+        return any(
+            self._per_optimizer.get(id(o), (_Stage.READY, False))[0] is not _Stage.READY
+            for o in optimizers
+        )
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale and decide, on every rank alike, whether
         they are finite. Collective over the process group (one MAX all-reduce)."""

@@ -922,6 +922,13 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
             "unscale_() has already been called on this optimizer since the last step()"
         )
     if st.state is OptState.READY:
+        if _grad_scaler_unscaled(st, optimizer):
+            raise RuntimeError(
+                "distamp.unscale_(): expected a scale_loss() backward to unscale, found this "
+                "optimizer's gradients unscaled already by distamp.GradScaler.unscale_() (the "
+                "GradScaler drives it: scale/unscale_/step/update are the scaler's); clip with "
+                "distamp.clip_grad_norm_(optimizer, max_norm) or torch.nn.utils.clip_grad_norm_"
+            )
         raise RuntimeError(
             "unscale_() was called but no distamp.scale_loss() backward ran on this optimizer since "
             "the last step(); expected `with distamp.scale_loss(loss, optimizer) as s: "
@@ -930,12 +937,32 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     unscale_now(st, "distamp.unscale_()")
 
 
+def _grad_scaler_unscaled(st: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """A ``distamp.GradScaler`` drives this optimizer and unscaled its gradients this
+    iteration (``scaler.unscale_(optimizer)``): the model's ``.grad`` are the true ones."""
+    scaler = st.grad_scaler() if st.grad_scaler is not None else None
+    if scaler is None or not scaler.is_enabled():
+        return False
+    return bool(scaler.unscaled((optimizer, inner_optimizer(optimizer))))
+
+
 def _after_framework_backward(st: Any) -> str:
-    """What to do instead, when a backward outside ``scale_loss`` (a framework's) did run."""
+    """What to do instead, when a backward outside ``scale_loss`` (a framework's, or one a
+    ``distamp.GradScaler`` scaled) did run."""
     if not st.backward_since_step:
         return ""
+    scaler = st.grad_scaler() if st.grad_scaler is not None else None
+    if scaler is not None and scaler.is_enabled():  # (it stepped this optimizer before)
+        return (
+            ". A backward did run, outside scale_loss: distamp.GradScaler drives this "
+            "optimizer, so its gradients are still multiplied by the scaler's scale "
+            f"({scaler.get_scale():g}); call scaler.unscale_(optimizer) first, then clip"
+        )
     return (
-        ". A backward did run, outside scale_loss (a framework's: Lightning's automatic "
+        ". A backward did run, outside scale_loss. If distamp.GradScaler scaled its loss "
+        "(scaler.scale(loss).backward()), call scaler.unscale_(optimizer) first: then this "
+        "clips the unscaled gradients (they are still multiplied by the scale). If it was a "
+        "framework's (Lightning's automatic "
         "optimization, accelerate's, the Trainer's): its gradients are unscaled already (scale "
         "1.0) and in the model's .grad, so clip them with torch.nn.utils.clip_grad_norm_("
         "model.parameters(), max_norm) (in Lightning, override configure_gradient_clipping so); "
@@ -992,6 +1019,14 @@ def clip_grad_norm_(
     if st.state is OptState.SCALED:
         st.group.unscale_and_decide(st, "distamp.clip_grad_norm_()")
     elif st.state is OptState.READY:
+        if _grad_scaler_unscaled(st, optimizer):
+            # torch's recipe with distamp.GradScaler (O0/O1/O3: no masters; the gradients are
+            # the model's, DDP's reduced ones, identical on every rank): clip them as torch does
+            held = inner_optimizer(optimizer) or optimizer
+            params = [p for g in held.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+            )
         raise RuntimeError(
             "clip_grad_norm_() was called but no distamp.scale_loss() backward ran on this "
             "optimizer since the last step()" + _after_framework_backward(st)

@@ -166,6 +166,62 @@ def test_a_wrapped_o1_optimizer_driven_by_distamp_grad_scaler_reports_its_skips_
     assert scaler.get_scale() == 2.0**15
 
 
+def _clip_with_distamp_under_grad_scaler(rank, world, level):
+    """distamp.GradScaler's loop with distamp.clip_grad_norm_ after scaler.unscale_ (DDP at
+    world 2), and the same loop without distamp; the weights after 3 steps, the norms and the
+    message a clip before scaler.unscale_ gives."""
+    torch.manual_seed(0)
+    plain = mlp()
+    model = mlp()
+    model.load_state_dict(plain.state_dict())
+    weights = []
+    for kind in ("distamp", "torch"):
+        net = model if kind == "distamp" else plain
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        if kind == "distamp":
+            net, opt = distamp.wrap(net, opt, opt_level=level, verbosity=0)
+        ddp = DDP(net) if world > 1 else net
+        scaler = distamp.GradScaler() if kind == "distamp" else torch.amp.GradScaler("cpu")
+        norms = []
+        for x, y in data(3, 4, seed=rank):
+            scaler.scale(F.mse_loss(ddp(x).float(), y)).backward()
+            scaler.unscale_(opt)
+            if kind == "distamp":
+                norms.append(float(distamp.clip_grad_norm_(opt, 0.05)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        weights.append(([p.detach().float().clone() for p in net.parameters()], norms))
+        if kind == "distamp":  # the clip before unscale_, at the next iteration
+            scaler.scale(F.mse_loss(ddp(x).float(), y)).backward()
+            try:
+                distamp.clip_grad_norm_(opt, 0.05)
+                refused = ""
+            except RuntimeError as exc:
+                refused = str(exc)
+            opt.zero_grad()
+    return weights, refused
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distamp_clipping_after_grad_scaler_unscale_clips_the_unscaled_gradients(world):
+    """An audit (a sweep of configurations): after scaler.unscale_(optimizer),
+    distamp.clip_grad_norm_ refused with advice meant for a framework's backward at scale 1.0 —
+    followed, it clipped gradients still multiplied by the scale. It clips the unscaled ones now,
+    as torch's clip_grad_norm_ after torch's GradScaler.unscale_; before scaler.unscale_ it says
+    to call that first."""
+    for [(ours, our_norms), (theirs, their_norms)], refused in run_ranks(
+        _clip_with_distamp_under_grad_scaler, world, "O0"
+    ):
+        assert our_norms == pytest.approx(their_norms, rel=1e-6) and our_norms[0] > 0.05
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert "distamp.GradScaler drives this optimizer" in refused
+        assert "call scaler.unscale_(optimizer) first" in refused
+
+
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_a_disabled_grad_scaler_on_a_wrapped_optimizer_reports_scale_one(half):
     """``GradScaler(enabled=args.fp16)`` switched off: the gradients are taken at scale 1.0, so

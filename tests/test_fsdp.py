@@ -711,7 +711,8 @@ def _dcp_idiom(rank, world, directory, steps_before, steps_after):
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     for step in range(steps_before, steps_before + steps_after):
         _step(model, opt, step, rank, world)
-    return fp32_weights("fsdp", model, opt), (counted, [str(w.message) for w in caught])
+    messages = [str(w.message) for w in caught]
+    return fp32_weights("fsdp", model, opt), (counted, messages, distamp.stats(opt).steps)
 
 
 @pytest.mark.xdist_group("multirank")
@@ -720,12 +721,16 @@ def test_torch_dcp_state_dict_idiom_resumes_under_fsdp(tmp_path):
     resume was refused for the missing 'distamp' entry although FSDP's FP32 shards hold all of
     the optimizer's state, and get_state_dict's placeholder step on the fresh optimizer was
     counted and used the one-time "step() without scale_loss" warning (an audit). It resumes bit
-    for bit (the loss scale had not moved), warning that the scale starts afresh."""
+    for bit (the loss scale had not moved), warning that the scale starts afresh; the step count
+    goes on from the optimizer's own."""
     straight = run_ranks(_dcp_idiom, 2, None, 2, 2)
     resumed = run_ranks(_dcp_idiom, 2, str(tmp_path / "dcp"), 2, 2)
-    for (weights, _), (got, (counted, messages)) in zip(straight, resumed, strict=True):
+    for (weights, _), (got, (counted, messages, steps)) in zip(straight, resumed, strict=True):
         assert_same(got, weights, "resumed through torch's DCP idiom")
         assert counted == 0, "get_state_dict's placeholder step was counted"
+        # (it stayed 0 after the load, an audit: save_checkpoint then ranked the resumed run's
+        # checkpoints below the older ones; taken from AdamW's own step now)
+        assert steps == 4
         assert not [m for m in messages if "without distamp.scale_loss" in m], messages
         assert [m for m in messages if "starts again at" in m], messages
 

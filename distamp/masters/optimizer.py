@@ -521,6 +521,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if extra is None and _steps_the_models_own_params(st):
             _check_inner_state(self, state_dict)
             super().load_state_dict(state_dict)
+            _steps_from_torch_state(st, state_dict)
             _warn_scale_starts_afresh(st)
             return
         error = None
@@ -589,12 +590,28 @@ def _steps_the_models_own_params(st: AmpOptimizerState) -> bool:
     return st.masters.fsdp or (not st.masters.sharded and not st.masters.master_tensors())
 
 
+def _steps_from_torch_state(st: AmpOptimizerState, state_dict: dict[str, Any]) -> None:
+    """The step counter taken from torch's own per-parameter ``step`` (Adam's family: the steps
+    taken, the same on every rank) when a state dict holds torch's entries only. It stayed at 0:
+    ``distamp.save_checkpoint`` records it as the checkpoint's step (without ``extra["step"]``),
+    so the resumed run's checkpoints ranked below the older ones and ``latest_checkpoint``
+    picked an old one (an audit). Skips before the save are not known (0)."""
+    found = [
+        float(entry["step"])
+        for entry in state_dict.get("state", {}).values()
+        if isinstance(entry, dict) and isinstance(entry.get("step"), (int, float, torch.Tensor))
+    ]
+    if found:
+        st.steps, st.skipped_steps, st.last_step_skipped = int(max(found)), 0, False
+
+
 def _warn_scale_starts_afresh(st: AmpOptimizerState) -> None:
     """[Note: a state dict with torch's entries only] torch.distributed.checkpoint's
     ``get_state_dict``/``set_state_dict`` (FSDP's idiom) keep only torch's entries of
     ``optimizer.state_dict()``, as does a plain or apex run's: under FSDP and at O0/O1 they were
     refused for the missing 'distamp' entry, although nothing of the optimizer's state was
-    missing (an audit). They load; the loss scale and step counters start afresh."""
+    missing (an audit). They load; the loss scale starts afresh, the step counter from torch's
+    own ``step`` entries where the optimizer keeps them (see :func:`_steps_from_torch_state`)."""
     dynamic = [s for s in st.group.scalers if s.dynamic]
     if dynamic:
         _warn(

@@ -18,6 +18,7 @@ import logging
 import math
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -306,13 +307,26 @@ class Backward:
     report: NonFiniteReport | None = None
     """What the decision named, for every optimizer the block skips (not only the one whose
     step decided it)."""
+    early: bool = False
+    """Decided by ``distamp.unscale_``/``clip_grad_norm_`` on some rank (see [Note: gradients
+    edited after unscale_] in masters/optimizer.py)."""
+
+
+def _kinds_in_order(blocks: list[Backward]) -> list[tuple[int, tuple[int, ...]]]:
+    """The kinds of ``blocks`` (loss, optimizers) in order of first appearance: what
+    :func:`_slots_by_kind` maps to slots, so what every rank must agree on."""
+    kinds: dict[tuple[int, tuple[int, ...]], None] = {}
+    for b in blocks:
+        kinds.setdefault((b.loss_id, tuple(sorted(u.index for u in b.users))), None)
+    return list(kinds)
 
 
 def _slots_by_kind(blocks: list[Backward]) -> list[int]:
     """Each block's slot in the decision vector: one per kind of block (its loss and the set of
     optimizers it was passed with), in order of first appearance, folded into FLAG_SLOTS only
     past FLAG_SLOTS kinds (see [Note: a fixed-size decision vector]). Every rank ran the same
-    blocks (their count is checked in the same all-reduce), so every rank maps them alike."""
+    kinds of blocks in the same order (their count and kinds are checked in the same
+    all-reduce), so every rank maps them alike."""
     kinds: dict[tuple[int, tuple[int, ...]], int] = {}
     return [
         kinds.setdefault((b.loss_id, tuple(sorted(u.index for u in b.users))), len(kinds))
@@ -777,13 +791,34 @@ class ScalerGroup:
                 replicas = st.masters.replica_fingerprint(self.ddp_ignored())
                 if replicas is not None:
                     parts.append(replicas.to(device, torch.float64))
+            # [Note: what the ranks' blocks are, and who decided early] Last, three more: 1 if
+            # this rank decides in distamp.unscale_/clip_grad_norm_ (every rank then checks the
+            # gradients edited after it at step(), a collective: a rank alone in it, the others
+            # gone on to the gather, hung or aborted — an audit, rank 0 unscaling to log the
+            # norm), and the kinds of blocks (loss, optimizers) as +h/-h: a rank whose block of
+            # loss 1 met another's block of loss 0 in one slot backed off another loss's scale
+            # than its peers, and the ranks parted silently (an audit).
+            early = float(api != "optimizer.step()")
+            tail: list[float] = []
+            if self.process_group is not None:
+                kinds = float(zlib.crc32(repr(_kinds_in_order(undecided)).encode()))
+                tail = [early, kinds, -kinds]
+                parts.append(torch.tensor(tail, dtype=torch.float64, device=device))
             vector = torch.cat(parts)
             if self.process_group is not None:
                 all_reduce_max_(vector, self.process_group)
                 self.found_inf_collectives += 1
             values = vector.tolist()
+            if tail:
+                values, tail = values[: -len(tail)], values[-len(tail) :]
+                early = tail[0]
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
+            if tail and tail[1] != -tail[2]:
+                self._refuse_different_block_kinds(st, undecided, api)
+            st.early_anywhere = early > 0
+            for block in undecided:
+                block.early = early > 0
             # (an edit that made a gradient non-finite is seen: the step is skipped, nothing lost)
             skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
             if values[FLAG_SLOTS + 2 + EVIDENCE_SLOTS] > 0 and not skipping:
@@ -827,6 +862,7 @@ class ScalerGroup:
                 block.overflow = overflow
         if st.backwards:
             st.overflow = any(bool(b.overflow) for b in st.backwards)
+            st.early_anywhere = any(b.early for b in st.backwards)
         st.state = OptState.UNSCALED
 
     def _edited_reduced_grads(self, st: AmpOptimizerState) -> list[str]:
@@ -897,6 +933,29 @@ class ScalerGroup:
             f"{high:g} (this rank, {self.rank}: {mine:g}). {why}. A discard must be decided "
             "from a value all ranks agree on (an all-reduced loss, distamp.clip_grad_norm_'s "
             "global norm), as the skip decision is shared"
+        )
+
+    def _refuse_different_block_kinds(
+        self, st: AmpOptimizerState, undecided: list[Backward], api: str
+    ) -> None:
+        """See [Note: what the ranks' blocks are, and who decided early]: every rank read the
+        same reduced numbers and is here; one more collective names each rank's blocks."""
+        assert self.process_group is not None
+        mine = [
+            f"loss_id {loss} (optimizers {list(users)})"
+            for loss, users in _kinds_in_order(undecided)
+        ]
+        seen: list[Any] = [None] * self.world
+        dist.all_gather_object(seen, mine, group=self.process_group)
+        ranks = dist.get_process_group_ranks(self.process_group)
+        listed = "; ".join(f"rank {ranks[r]}: {', '.join(k) or 'none'}" for r, k in enumerate(seen))
+        raise RuntimeError(
+            f"{api}: expected every rank to have run the same kinds of scale_loss blocks (loss_id "
+            f"and optimizers, in the same order of first use) since this optimizer's last step, "
+            f"found {listed}. Each loss has its own scale, decided for every rank together: a "
+            "rank whose loss 1 met another's loss 0 backs off another scale than its peers and "
+            "the ranks part. Pass the same loss_id on every rank (an auxiliary loss some ranks "
+            "skip: compute it everywhere, times 0 where it does not apply)"
         )
 
     def _refuse_parted_settings(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:

@@ -352,3 +352,83 @@ def test_a_parameter_frozen_on_one_rank_only_is_named(api):
     for message in run_ranks(_one_rank_fails_locally, 2, api, "frozen bias", timeout=60):
         assert message is not None
         assert "rank 1 has models[0] parameter '0.bias'=(16,) torch.float32 frozen" in message
+
+
+def _unscale_on_rank_0_only(rank, world, level, edit):
+    """Rank 0 alone calls distamp.unscale_ (to log the unscaled norm: the master process's
+    habit), then the same steps on every rank; with ``edit`` rank 0 makes a gradient NaN after
+    its unscale_ at step 1. Returns the weights and the skipped flags per step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    ddp = DDP(model)
+    skipped = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        if rank == 0:
+            distamp.unscale_(opt)
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+            if edit and step == 1:
+                next(model.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+        skipped.append(distamp.stats(opt).last_step_skipped)
+    return [p.detach().float().clone() for p in model.parameters()], skipped
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_unscale_on_one_rank_only_trains_like_every_rank_stepping(level):
+    """An audit: rank 0 alone calling distamp.unscale_ ran one more all-reduce at its step (the
+    check of gradients edited after unscale_): O2's sharded ranks hung in different
+    collectives, O1's aborted gloo. Every rank joins that check now; a NaN rank 0 wrote after
+    its unscale_ skips the step on every rank."""
+    for edit in (False, True):
+        (w0, s0), (w1, s1) = run_ranks(_unscale_on_rank_0_only, 2, level, edit, timeout=90)
+        assert s0 == s1 == [False, edit, False]
+        for a, b in zip(w0, w1, strict=True):
+            assert torch.equal(a, b)
+
+
+def _loss_ids_per_rank(rank, world, level):
+    """num_losses=2; at step 0 rank 1 passes loss_id=1 (its loss inf), rank 0 loss_id=0."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, num_losses=2, verbosity=0)
+    loss = F.mse_loss(model(torch.randn(4, 8)).float(), torch.randn(4, 4))
+    loss_id = rank
+    with distamp.scale_loss(loss * (float("inf") if rank == 1 else 1.0), opt, loss_id=loss_id) as s:
+        s.backward()
+    return step_error(opt)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ranks_passing_different_loss_ids_are_named_on_every_rank(level):
+    """An audit: rank 1's loss-1 block met rank 0's loss-0 block in one slot of the decision,
+    each rank backed off another loss's scale, and the weights parted (0.052 after 3 steps)
+    with no error (O1; O2 with sharded masters blamed clipping)."""
+    for message in run_ranks(_loss_ids_per_rank, 2, level, timeout=90):
+        assert message is not None and "same kinds of scale_loss blocks" in message, message
+        assert "rank 0: loss_id 0 (optimizers [0]); rank 1: loss_id 1 (optimizers [0])" in message
+
+
+def _verbose_on_rank_0(rank, world):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=1 if rank == 0 else 0)
+    with distamp.scale_loss(model(torch.randn(4, 8)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return distamp.stats(opt).steps
+
+
+def test_verbosity_on_rank_0_only_is_not_a_disagreement():
+    """An audit: `verbosity=1 if rank == 0 else 0` (log on the master process) was refused as
+    ranks that disagree; it only gates this rank's own log lines."""
+    assert run_ranks(_verbose_on_rank_0, 2, timeout=90) == [1, 1]

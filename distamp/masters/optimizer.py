@@ -61,6 +61,9 @@ class AmpOptimizerState:
         """The global decision, once made for the pending step."""
         self.decided_here = False
         """This optimizer's step made the decision (others sharing its losses reuse it)."""
+        self.early_anywhere = False
+        """The pending decision was taken by ``distamp.unscale_``/``clip_grad_norm_`` on some
+        rank (see [Note: what the ranks' blocks are, and who decided early] in scaler.py)."""
         self.last_nonfinite: NonFiniteReport | None = None
         self.decision_report: NonFiniteReport | None = None
         """What the decision's all-reduce named for the pending step (see [Note: the evidence
@@ -163,6 +166,7 @@ class AmpOptimizerState:
         self.seen_nonfinite = None
         self.seen_each = None
         self.overflow = None
+        self.early_anywhere = False
         self.decision_report = None
         self.unscaled_shards = None
         self.had_grads = False
@@ -267,14 +271,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             _refuse_gradients_fsdp_still_holds(st)
             if not st.masters.fsdp:
                 _refuse_params_replaced_everywhere(st)
-            fsdp = st.group.sharded_by_fsdp_after_wrap()
-            if fsdp is not None:
-                raise RuntimeError(
-                    f"optimizer.step(): the model was sharded with FSDP after distamp.wrap "
-                    f"(found {fsdp}), so its new sharded parameters are not the ones this "
-                    "optimizer steps; expected distamp.fsdp.fully_shard(model, optimizer, "
-                    "opt_level=...) on the FP32 model instead of wrap + fully_shard"
-                )
+            _refuse_fsdp_after_wrap(st)
         placeholder = False  # see _torch_state_init_step
         if st.state is OptState.READY:
             if no_grads:
@@ -315,7 +312,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
         assert st.overflow is not None
-        edited = _edited_nonfinite(st) if decided_early and not st.overflow else None
+        # every rank alike: see [Note: what the ranks' blocks are, and who decided early]
+        early = st.early_anywhere or (decided_early and st.group.process_group is None)
+        edited = _edited_nonfinite(st) if early and not st.overflow else None
         st.steps += not placeholder
         st.last_step_skipped = st.overflow or edited is not None
         st.in_step = True
@@ -1169,7 +1168,19 @@ def _parameter_at(model: nn.Module, name: str) -> object:
     return owner._parameters.get(leaf)
 
 
+def _refuse_fsdp_after_wrap(st: AmpOptimizerState) -> None:
+    fsdp = st.group.sharded_by_fsdp_after_wrap()
+    if fsdp is not None:
+        raise RuntimeError(
+            f"optimizer.step(): the model was sharded with FSDP after distamp.wrap "
+            f"(found {fsdp}), so its new sharded parameters are not the ones this "
+            "optimizer steps; expected distamp.fsdp.fully_shard(model, optimizer, "
+            "opt_level=...) on the FP32 model instead of wrap + fully_shard"
+        )
+
+
 def _raise_replaced(st: AmpOptimizerState, names: list[str]) -> None:
+    _refuse_fsdp_after_wrap(st)  # (FSDP replaces every parameter: said in its own words)
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
     raise RuntimeError(
         f"optimizer.step(): parameter(s) {', '.join(map(repr, names[:4]))}{more} of the wrapped "

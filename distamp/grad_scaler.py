@@ -501,6 +501,18 @@ def _refuse_master_weights(optimizer: torch.optim.Optimizer) -> None:
     own step, so the scaler found none and said "run backward first" after a backward. Raised on
     every rank alike (wrap made every rank's optimizer the same), before any collective."""
     st = _distamp_state(optimizer)
+    if st is not None and st.masters.fsdp:
+        # (an audit: the message below, about distamp.wrap and shard_master_weights, was false
+        # for a model that never went through wrap)
+        raise RuntimeError(
+            f"GradScaler: this optimizer was made by distamp.fsdp.fully_shard (opt_level "
+            f"{st.group.props.opt_level}), which scales its losses and decides the skip itself "
+            "over FSDP's gradient shards; distamp.GradScaler drives the optimizers of "
+            "torch.autocast scripts (torch's own fully_shard included) and of distamp.wrap at "
+            "O0/O1/O3 with replicated weights. Expected "
+            "`with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
+            "`optimizer.step()` in place of the GradScaler calls"
+        )
     if st is not None and (st.group.props.master_weights or st.masters.sharded):
         held = (
             "this rank's shard of the FP32 weights (shard_master_weights=True)"

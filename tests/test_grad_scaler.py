@@ -414,3 +414,28 @@ def test_with_torchs_fsdp2_an_inf_in_one_ranks_shard_skips_every_rank_without_wa
     replication at every step (an audit)."""
     for skipped, scale in run_ranks(_torch_fsdp2, 2):
         assert skipped == [False, True, False] and scale == 2.0**15
+
+
+def _grad_scaler_on_distamp_fsdp(rank, world):
+    import distamp.fsdp
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O1", verbosity=0)
+    scaler = distamp.GradScaler()
+    x, y = data(1, 4)[0]
+    scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        return str(exc)
+    return "stepped"
+
+
+def test_a_grad_scaler_on_an_optimizer_distamp_fsdp_made_says_what_to_write():
+    """An audit (a sweep over distamp.fsdp): refused with the message for distamp.wrap's
+    sharded FP32 weights, which named shard_master_weights the script never passed."""
+    for message in run_ranks(_grad_scaler_on_distamp_fsdp, 2):
+        assert "made by distamp.fsdp.fully_shard (opt_level O1)" in message, message
+        assert "distamp.scale_loss(loss, optimizer)" in message
+        assert "shard_master_weights" not in message

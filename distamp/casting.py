@@ -76,7 +76,9 @@ class CastPolicy:
     """Floating-point outputs are cast to this dtype; None leaves them as they are."""
 
 
-def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> Any:
+def cast_floating(
+    value: Any, dtype: torch.dtype, *, saturate: bool = False, _seen: frozenset[int] = frozenset()
+) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (apex's applier).
 
     Walks lists, tuples, namedtuples, mappings (their type kept: a defaultdict stays one),
@@ -93,11 +95,15 @@ def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> 
     if isinstance(value, (str, bytes, int, float, bool)) or value is None:
         return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype, saturate=saturate) for v in value))
+        return type(value)(
+            *(cast_floating(v, dtype, saturate=saturate, _seen=_seen) for v in value)
+        )
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, saturate=saturate) for v in value)
+        return type(value)(cast_floating(v, dtype, saturate=saturate, _seen=_seen) for v in value)
     if isinstance(value, Mapping):
-        cast = {k: cast_floating(v, dtype, saturate=saturate) for k, v in value.items()}
+        cast = {
+            k: cast_floating(v, dtype, saturate=saturate, _seen=_seen) for k, v in value.items()
+        }
         # A plain dict (forward's **kwargs) needs no copy, which torch.compile's fullgraph refused.
         if type(value) is dict:
             return cast
@@ -120,21 +126,30 @@ def cast_floating(value: Any, dtype: torch.dtype, *, saturate: bool = False) -> 
         for f in dataclasses.fields(instance):
             if hasattr(value, f.name):
                 object.__setattr__(
-                    out, f.name, cast_floating(getattr(value, f.name), dtype, saturate=saturate)
+                    out,
+                    f.name,
+                    cast_floating(getattr(value, f.name), dtype, saturate=saturate, _seen=_seen),
                 )
         return out
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
-        return _cast_batch_object(value, dtype, saturate=saturate)
+        return _cast_batch_object(value, dtype, saturate=saturate, seen=_seen)
     return value
 
 
-def _cast_batch_object(value: Any, dtype: torch.dtype, *, saturate: bool) -> Any:
+def _cast_batch_object(
+    value: Any, dtype: torch.dtype, *, saturate: bool, seen: frozenset[int]
+) -> Any:
     """[Note: batch objects] apex hands an object with a ``.to()`` method (a script's batch class)
     ``.to(dtype)``. The usual helper passes its arguments to every tensor it holds, so the token
     ids and labels arrived as bf16, rounded (999 -> 1000): a forward that took ``.long()`` of
     them trained on the wrong tokens, silently (an audit). A copy with the floating tensors of
     its ``__dict__`` cast (the dataclass walk above) leaves them alone; an object without one
-    (``__slots__``), or that cannot be copied, still gets its own ``.to(dtype)``."""
+    (``__slots__``), or that cannot be copied, still gets its own ``.to(dtype)``. An object
+    met again inside its own attributes (a parent link) is kept as it is: the walk recursed
+    without end there (an audit)."""
+    if id(value) in seen:
+        return value
+    seen = seen | {id(value)}
     fields = getattr(value, "__dict__", None)
     if isinstance(fields, dict) and fields:
         try:
@@ -143,7 +158,7 @@ def _cast_batch_object(value: Any, dtype: torch.dtype, *, saturate: bool) -> Any
             out = value
         if out is not value and isinstance(getattr(out, "__dict__", None), dict):
             for key, field in fields.items():
-                out.__dict__[key] = cast_floating(field, dtype, saturate=saturate)
+                out.__dict__[key] = cast_floating(field, dtype, saturate=saturate, _seen=seen)
             return out
     return value.to(dtype)
 

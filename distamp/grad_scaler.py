@@ -199,6 +199,9 @@ class GradScaler:
         """Divide ``optimizer``'s gradients by the scale and decide, on every rank alike, whether
         they are finite. Collective over the process group (one MAX all-reduce)."""
         if not self._enabled:
+            st = _distamp_state(optimizer)
+            if st is not None:  # (distamp.clip_grad_norm_ after it clips: scale 1, an audit)
+                st.grad_scaler = weakref.ref(self)
             return
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.UNSCALED:

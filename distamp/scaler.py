@@ -312,27 +312,25 @@ class Backward:
     edited after unscale_] in masters/optimizer.py)."""
 
 
-def _kinds_in_order(blocks: list[Backward]) -> list[tuple[int, tuple[int, ...]]]:
-    """The kinds of ``blocks`` (loss, optimizers) in order of first appearance: what
-    :func:`_slots_by_kind` maps to slots, so what every rank must agree on."""
-    kinds: dict[tuple[int, tuple[int, ...]], None] = {}
-    for b in blocks:
-        kinds.setdefault((b.loss_id, tuple(sorted(u.index for u in b.users))), None)
-    return list(kinds)
+def _kind(block: Backward) -> tuple[int, tuple[int, ...]]:
+    return block.loss_id, tuple(sorted(u.index for u in block.users))
+
+
+def _kinds(blocks: list[Backward]) -> list[tuple[int, tuple[int, ...]]]:
+    """The kinds of ``blocks`` (loss, optimizers), sorted: what :func:`_slots_by_kind` maps to
+    slots, so what every rank must agree on (not their order: ranks accumulating losses 0, 1, 2
+    and 2, 1, 0 map them alike)."""
+    return sorted({_kind(b) for b in blocks})
 
 
 def _slots_by_kind(blocks: list[Backward]) -> list[int]:
     """Each block's slot in the decision vector: one per kind of block (its loss and the set of
-    optimizers it was passed with), in order of first appearance, folded into FLAG_SLOTS only
-    past FLAG_SLOTS kinds (see [Note: a fixed-size decision vector]). Every rank ran the same
-    kinds of blocks in the same order (their count and kinds are checked in the same
-    all-reduce), so every rank maps them alike."""
-    kinds: dict[tuple[int, tuple[int, ...]], int] = {}
-    return [
-        kinds.setdefault((b.loss_id, tuple(sorted(u.index for u in b.users))), len(kinds))
-        % FLAG_SLOTS
-        for b in blocks
-    ]
+    optimizers it was passed with), in sorted order, folded into FLAG_SLOTS only past
+    FLAG_SLOTS kinds (see [Note: a fixed-size decision vector]). Every rank ran the same kinds
+    of blocks (their count and kinds are checked in the same all-reduce), so every rank maps
+    them alike."""
+    slot = {kind: i % FLAG_SLOTS for i, kind in enumerate(_kinds(blocks))}
+    return [slot[_kind(b)] for b in blocks]
 
 
 class ScalerGroup:
@@ -389,8 +387,7 @@ class ScalerGroup:
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""
-        self.probe_params: list[tuple[weakref.ref[nn.Module], str, weakref.ref[nn.Parameter]]]
-        self.probe_params = []
+        self.probe_params: list[tuple[weakref.ref[nn.Module], str, int]] = []
         """(model, name, parameter) of the dtype probes an optimizer holds, as wrap left them:
         see [Note: parameters replaced after wrap] in masters/optimizer.py."""
         self.wrapped_params: dict[tuple[int, str], int] = {}
@@ -798,11 +795,14 @@ class ScalerGroup:
             # norm), and the kinds of blocks (loss, optimizers) as +h/-h: a rank whose block of
             # loss 1 met another's block of loss 0 in one slot backed off another loss's scale
             # than its peers, and the ranks parted silently (an audit).
+            # The optimizer deciding, too: a rank deciding another optimizer than its peers in
+            # this collective (unscale_ of the second of two optimizers on one rank only) was
+            # blamed on schedulers or loss_ids (an audit).
             early = float(api != "optimizer.step()")
             tail: list[float] = []
             if self.process_group is not None:
-                kinds = float(zlib.crc32(repr(_kinds_in_order(undecided)).encode()))
-                tail = [early, kinds, -kinds]
+                kinds = float(zlib.crc32(repr(_kinds(undecided)).encode()))
+                tail = [early, kinds, -kinds, float(st.index), -float(st.index)]
                 parts.append(torch.tensor(tail, dtype=torch.float64, device=device))
             vector = torch.cat(parts)
             if self.process_group is not None:
@@ -812,6 +812,8 @@ class ScalerGroup:
             if tail:
                 values, tail = values[: -len(tail)], values[-len(tail) :]
                 early = tail[0]
+            if tail and tail[3] != -tail[4]:
+                self._refuse_different_deciders(st, api, tail[3], -tail[4])
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
             if tail and tail[1] != -tail[2]:
@@ -935,23 +937,34 @@ class ScalerGroup:
             "global norm), as the skip decision is shared"
         )
 
+    def _refuse_different_deciders(
+        self, st: AmpOptimizerState, api: str, high: float, low: float
+    ) -> None:
+        """See [Note: what the ranks' blocks are, and who decided early]."""
+        raise RuntimeError(
+            f"{api} (optimizer {st.index} of distamp.wrap's, rank {self.rank}): expected every "
+            f"rank to take the skip decision of the same optimizer in this collective, found "
+            f"optimizers {low:g} to {high:g} deciding at once: distamp.unscale_ or "
+            "clip_grad_norm_ of one optimizer on some ranks only, while the others stepped "
+            "another first. Each optimizer's decision is one all-reduce of every rank: call "
+            "unscale_/clip_grad_norm_ of an optimizer on every rank, or on some ranks only for "
+            "the optimizer the others step first"
+        )
+
     def _refuse_different_block_kinds(
         self, st: AmpOptimizerState, undecided: list[Backward], api: str
     ) -> None:
         """See [Note: what the ranks' blocks are, and who decided early]: every rank read the
         same reduced numbers and is here; one more collective names each rank's blocks."""
         assert self.process_group is not None
-        mine = [
-            f"loss_id {loss} (optimizers {list(users)})"
-            for loss, users in _kinds_in_order(undecided)
-        ]
+        mine = [f"loss_id {loss} (optimizers {list(users)})" for loss, users in _kinds(undecided)]
         seen: list[Any] = [None] * self.world
         dist.all_gather_object(seen, mine, group=self.process_group)
         ranks = dist.get_process_group_ranks(self.process_group)
         listed = "; ".join(f"rank {ranks[r]}: {', '.join(k) or 'none'}" for r, k in enumerate(seen))
         raise RuntimeError(
             f"{api}: expected every rank to have run the same kinds of scale_loss blocks (loss_id "
-            f"and optimizers, in the same order of first use) since this optimizer's last step, "
+            f"and optimizers) since this optimizer's last step, "
             f"found {listed}. Each loss has its own scale, decided for every rank together: a "
             "rank whose loss 1 met another's loss 0 backs off another scale than its peers and "
             "the ranks part. Pass the same loss_id on every rank (an auxiliary loss some ranks "

@@ -223,8 +223,11 @@ def wrap(
         scalers.wrapped_params.update(
             {(index, n): id(p) for n, p in named.items() if id(p) in held}
         )
+        # ids, not weak references: torch.utils.swap_tensors (model.to() and load_state_dict
+        # under torch.__future__.set_swap_module_params_on_conversion(True)) refuses a tensor
+        # with a weakref (an audit); the masters hold the parameters, so the ids stay theirs
         scalers.probe_params += [
-            (weakref.ref(model), n, weakref.ref(named[n]))
+            (weakref.ref(model), n, id(named[n]))
             for n, _ in model._distamp_dtype_probes
             if n in named and id(named[n]) in held
         ]
@@ -941,8 +944,10 @@ def _grad_scaler_unscaled(st: Any, optimizer: torch.optim.Optimizer) -> bool:
     """A ``distamp.GradScaler`` drives this optimizer and unscaled its gradients this
     iteration (``scaler.unscale_(optimizer)``): the model's ``.grad`` are the true ones."""
     scaler = st.grad_scaler() if st.grad_scaler is not None else None
-    if scaler is None or not scaler.is_enabled():
+    if scaler is None:
         return False
+    if not scaler.is_enabled():  # (`enabled=use_amp` off: torch's recipe clips at scale 1)
+        return True
     return bool(scaler.unscaled((optimizer, inner_optimizer(optimizer))))
 
 

@@ -296,6 +296,9 @@ def test_a_batch_object_keeps_its_integer_tensors_under_o2_and_o3(level):
     model(batch)
     assert model.seen == (torch.int64, [999, 257], torch.bfloat16)
     assert batch.features.dtype == torch.float32
+    batch.parent = batch  # (a link back to itself: the walk recursed without end, an audit)
+    model(batch)
+    assert model.seen == (torch.int64, [999, 257], torch.bfloat16)
 
 
 class BatchDict(dict):

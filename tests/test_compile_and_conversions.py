@@ -166,6 +166,41 @@ def test_a_parameter_replaced_outside_the_probes_is_named_when_no_stepped_one_ha
         opt.step()
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_head_replaced_after_wrap_is_named_while_the_others_have_gradients(level):
+    """An audit: with the optimizer over the whole model, a new head left the other parameters
+    with gradients and the step went on, the new head never trained."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    model[3] = nn.Linear(16, 2).to(model[0].weight.dtype)  # (FP32 at O2 fails inside torch)
+    with distamp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match=r"'3.weight', '3.bias' of the wrapped model are other"):
+        opt.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_moves_and_loads_under_torchs_swap_option_work_after_wrap(level):
+    """An audit: the check of replaced parameters kept weak references to two of them, and
+    torch.utils.swap_tensors (set_swap_module_params_on_conversion(True)) refuses those:
+    model.to() and load_state_dict failed after wrap."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to("cpu")
+        model.load_state_dict(model.state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    with distamp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert distamp.stats(opt).steps == 1
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 @pytest.mark.parametrize("convert", ["float", "half", "double"])
 def test_a_copy_of_a_wrapped_model_converts_and_runs_in_its_own_dtype(how, convert):

@@ -439,3 +439,24 @@ def test_a_grad_scaler_on_an_optimizer_distamp_fsdp_made_says_what_to_write():
         assert "made by distamp.fsdp.fully_shard (opt_level O1)" in message, message
         assert "distamp.scale_loss(loss, optimizer)" in message
         assert "shard_master_weights" not in message
+
+
+def test_distamp_clipping_after_a_disabled_grad_scalers_unscale_clips_at_scale_one():
+    """An audit: with `GradScaler(enabled=use_amp)` off, distamp.clip_grad_norm_ after
+    scaler.unscale_ was refused at every iteration, saying to call scaler.unscale_ first."""
+    torch.manual_seed(0)
+    model = mlp()
+    model, opt = distamp.wrap(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0
+    )
+    scaler = distamp.GradScaler(enabled=False)
+    for x, y in data(2, 4):
+        scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+        scaler.unscale_(opt)
+        expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        assert float(distamp.clip_grad_norm_(opt, 0.01)) == pytest.approx(float(expected))
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        assert float(total) == pytest.approx(0.01, rel=1e-3)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()

@@ -432,3 +432,55 @@ def test_verbosity_on_rank_0_only_is_not_a_disagreement():
     """An audit: `verbosity=1 if rank == 0 else 0` (log on the master process) was refused as
     ranks that disagree; it only gates this rank's own log lines."""
     assert run_ranks(_verbose_on_rank_0, 2, timeout=90) == [1, 1]
+
+
+def _losses_in_another_order(rank, world):
+    """num_losses=3 accumulated in one step, rank 0 in the order 0, 1, 2 and rank 1 in 2, 1, 0;
+    loss 2 is inf on rank 1."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", num_losses=3, verbosity=0)
+    for loss_id in [0, 1, 2] if rank == 0 else [2, 1, 0]:
+        loss = F.mse_loss(model(torch.randn(4, 8)).float(), torch.randn(4, 4))
+        bad = rank == 1 and loss_id == 2
+        with distamp.scale_loss(loss * (float("inf") if bad else 1.0), opt, loss_id=loss_id) as s:
+            s.backward()
+    opt.step()
+    stats = distamp.stats(opt)
+    return stats.last_step_skipped, stats.loss_scales
+
+
+def test_ranks_accumulating_the_same_losses_in_another_order_agree():
+    """An audit: the check of the ranks' blocks read their order of first use, and refused
+    ranks that ran the same losses in another order. The kinds are sorted now: every rank skips
+    and backs off loss 2's scale alone."""
+    for skipped, scales in run_ranks(_losses_in_another_order, 2, timeout=90):
+        assert skipped and scales == (65536.0, 65536.0, 32768.0)
+
+
+def _unscale_the_second_optimizer_on_rank_0(rank, world):
+    torch.manual_seed(0)
+    first, second = mlp(), mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    models, opts = distamp.wrap([first, second], opts, opt_level="O1", verbosity=0)
+    loss = sum(F.mse_loss(m(torch.randn(4, 8)).float(), torch.randn(4, 4)) for m in models)
+    with distamp.scale_loss(loss, opts) as scaled:
+        scaled.backward()
+    try:
+        if rank == 0:
+            distamp.unscale_(opts[1])
+        opts[0].step()
+        opts[1].step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_unscale_of_another_optimizer_on_one_rank_only_is_named_on_every_rank():
+    """An audit: rank 0 deciding optimizer 1 in unscale_ while rank 1 decided optimizer 0 in its
+    step paired different decisions in one all-reduce; the ranks were told their schedulers or
+    loss_ids differed (a hang before the early-check fix)."""
+    for message in run_ranks(_unscale_the_second_optimizer_on_rank_0, 2, timeout=90):
+        assert message is not None and "the skip decision of the same optimizer" in message
+        assert "found optimizers 0 to 1 deciding at once" in message

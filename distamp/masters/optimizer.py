@@ -269,8 +269,6 @@ class AmpOptimizer(torch.optim.Optimizer):
         no_grads = all(p.grad is None for p in st.masters.model_params)
         if no_grads:
             _refuse_gradients_fsdp_still_holds(st)
-            if not st.masters.fsdp:
-                _refuse_params_replaced_everywhere(st)
             _refuse_fsdp_after_wrap(st)
         placeholder = False  # see _torch_state_init_step
         if st.state is OptState.READY:
@@ -1125,24 +1123,23 @@ def _refuse_replaced_params(st: AmpOptimizerState) -> None:
     optimizer and the masters kept stepping the old ones, the model's new ones gathered
     gradients, and training was a silent no-op — every step counted, none skipped (an audit).
     Each step reads the parameters at the two probe names (see [Note: dtypes changed after
-    wrap] in casting.py) and, when a step finds none of its parameters holding a gradient, every
-    parameter of the models: one of the optimizer's names now holding another object is named.
+    wrap] in casting.py) and, when one of its parameters holds no gradient, every parameter of
+    the models: one of the optimizer's names now holding another object is named.
     (Read at step(), never in forward: ``torch.func.functional_call`` swaps tensors in for a
     call.)"""
-    for model_ref, name, param_ref in st.group.probe_params:
-        model, param = model_ref(), param_ref()
-        if model is not None and param is not None:
+    for model_ref, name, param_id in st.group.probe_params:
+        model = model_ref()
+        if model is not None:
             now = _parameter_at(model, name)
-            if isinstance(now, nn.Parameter) and now is not param:
+            if isinstance(now, nn.Parameter) and id(now) != param_id:
                 _raise_replaced(st, _replaced_names(st, with_grad=False) or [name])
-
-
-def _refuse_params_replaced_everywhere(st: AmpOptimizerState) -> None:
-    """The thorough half of [Note: parameters replaced after wrap], on a step that found no
-    gradient on any of its parameters after a ``scale_loss`` block."""
-    replaced = _replaced_names(st, with_grad=True)
-    if replaced:
-        _raise_replaced(st, replaced)
+    # A module replaced elsewhere (a new head): its old parameters, which the optimizer holds,
+    # get no gradient; a frozen or unused one does not either, so the names decide (an audit:
+    # a new head trained as a silent no-op while the other parameters had gradients).
+    if any(p.grad is None for p in st.masters.model_params):
+        replaced = _replaced_names(st, with_grad=True)
+        if replaced:
+            _raise_replaced(st, replaced)
 
 
 def _replaced_names(st: AmpOptimizerState, *, with_grad: bool) -> list[str]:

@@ -1134,9 +1134,10 @@ def _refuse_replaced_params(st: AmpOptimizerState) -> None:
             if isinstance(now, nn.Parameter) and id(now) != param_id:
                 _raise_replaced(st, _replaced_names(st, with_grad=False) or [name])
     # A module replaced elsewhere (a new head): its old parameters, which the optimizer holds,
-    # get no gradient; a frozen or unused one does not either, so the names decide (an audit:
-    # a new head trained as a silent no-op while the other parameters had gradients).
-    if any(p.grad is None for p in st.masters.model_params):
+    # get no gradient (an audit: a new head trained as a silent no-op while the other parameters
+    # had gradients). Frozen ones never have one: left out, so that a frozen backbone held by
+    # the optimizer does not walk the models' parameters at every step; an unused one does.
+    if any(p.grad is None and p.requires_grad for p in st.masters.model_params):
         replaced = _replaced_names(st, with_grad=True)
         if replaced:
             _raise_replaced(st, replaced)

@@ -1319,6 +1319,8 @@ def test_a_per_rank_extra_warns_and_ranks_saving_apart_are_named(tmp_path):
     for message in messages:
         assert message is not None and "expected every rank to save to the folder rank 0" in message
         assert re.search(r"run-1\.incomplete-\S+ from rank 1", message), message
+        # both folders named (the message gave only rank 1's)
+        assert re.search(r"rank 0 saves to \S+run-0, rank 1 to \S+run-1\b", message), message
 
 
 @pytest.mark.parametrize("saved_enabled", [False, True])

@@ -183,14 +183,19 @@ def save_checkpoint(
     if target.distributed():
         _warn_if_extra_differs(plain_extra, target, pg)
     made = agree("save_checkpoint: preparing", lambda: _prepare(directory, target.rank), pg)
+    rank0_path = os.path.abspath(directory)
     if target.distributed():  # its name (see [Note: one temporary folder per save])
-        box = [made]
+        box = [(made, rank0_path)]
         dist.broadcast_object_list(box, group=pg, group_src=0)
-        made = box[0]
+        made, rank0_path = box[0]
     assert made is not None
     # This rank's own path, rank 0's suffix: ranks given different paths are named by _see_tmp.
     tmp = directory.with_name(directory.name + made)
-    agree("save_checkpoint: the folder rank 0 made", lambda: _see_tmp(tmp, target.rank), pg)
+    agree(
+        "save_checkpoint: the folder rank 0 made",
+        lambda: _see_tmp(tmp, target.rank, directory, rank0_path),
+        pg,
+    )
 
     local_info = agree("save_checkpoint: reading optimizer state", lambda: _flat_info(target), pg)
     infos: list[Any] = [local_info]
@@ -327,7 +332,7 @@ def _warn_if_extra_differs(extra: dict[str, Any], target: _Target, pg: Any) -> N
         )
 
 
-def _see_tmp(tmp: Path, rank: int) -> None:
+def _see_tmp(tmp: Path, rank: int, mine: Path, rank0_path: str) -> None:
     """Every rank must reach the folder rank 0 made: ranks saving to different paths (one built
     from a timestamp) or to disks they do not share failed with a bare FileNotFoundError on
     the first file (an audit). Waits briefly: a shared filesystem may show it late."""
@@ -337,7 +342,9 @@ def _see_tmp(tmp: Path, rank: int) -> None:
         time.sleep(0.1)
     raise CheckpointError(
         f"save_checkpoint: expected every rank to save to the folder rank 0 made, found no "
-        f"{tmp} from rank {rank} ({os.path.realpath(tmp)}): the ranks must pass the same path, "
+        f"{tmp} from rank {rank} ({os.path.realpath(tmp)}); rank 0 saves to {rank0_path}, rank "
+        f"{rank} to {os.path.abspath(mine)}: "
+        "the ranks must pass the same path, "
         "on a filesystem they share (a path built from a per-rank value — a timestamp, the "
         "hostname — differs between ranks)"
     )

@@ -394,6 +394,10 @@ class ScalerGroup:
         """(model index, name) -> id of the parameter an optimizer held there at wrap."""
         self.hooked_ignored: set[int] = set()
         """ids DDP ignores, as ``distamp.hooks.register`` found them on the DDP it was given."""
+        self.hooked_params: frozenset[int] = frozenset()
+        """ids of the parameters of the DDPs ``distamp.hooks.register`` was given over this
+        group's ranks: their all-reduce leaves those gradients identical on every rank, compared
+        at O0/O1 too (see ``ReplicatedMasterParams.replica_fingerprint``)."""
         self.fp16_all_reduce = False
         """distamp's compress hook all-reduces in fp16 (see ``NonFiniteReport.fp16_wire``)."""
         self.fp16_wire = False
@@ -785,7 +789,9 @@ class ScalerGroup:
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
             if self.process_group is not None and self.world > 1:
-                replicas = st.masters.replica_fingerprint(self.ddp_ignored())
+                replicas = st.masters.replica_fingerprint(
+                    self.ddp_ignored(), hooked=self.hooked_params
+                )
                 if replicas is not None:
                     parts.append(replicas.to(device, torch.float64))
             # [Note: what the ranks' blocks are, and who decided early] Last, three more: 1 if
@@ -1011,7 +1017,7 @@ class ScalerGroup:
     def _first_parted_grad(self, st: AmpOptimizerState, group: dist.ProcessGroup | None) -> str:
         """Every rank is here (all read the same reduced numbers): one more collective finds the
         first parameter whose gradient differs between ranks, as " (first: 'name')"."""
-        params = st.masters.grads_compared(self.ddp_ignored())
+        params = st.masters.grads_compared(self.ddp_ignored(), hooked=self.hooked_params)
         device = next((p.device for p in params), torch.device("cpu"))
         mine = torch.stack(
             [bit_hash(grad_samples([p]), device)[0] for p in params]

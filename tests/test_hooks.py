@@ -322,6 +322,48 @@ def test_a_parameter_ddp_does_not_reduce_still_gets_the_global_decision():
         assert torch.equal(a, b)
 
 
+def _unfrozen_without_rebuilding_ddp(rank, world, level, hooked):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    ddp = DDP(model)  # built while model[0] is frozen: DDP never reduces its gradients
+    if hooked:
+        distamp.hooks.register(ddp, opt)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
+    for step in range(3):
+        if step == 1:  # progressive unfreezing, DDP not rebuilt
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters())})
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        with distamp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            return step, str(err)
+        opt.zero_grad()
+    weights = [torch.zeros_like(model[0].weight) for _ in range(world)]
+    dist.all_gather(weights, model[0].weight.detach())
+    return None, float((weights[0] - weights[1]).abs().max())
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_a_parameter_unfrozen_after_ddp_was_built_is_refused_at_o0_o1_under_the_hook(level):
+    """At O0/O1 (the weights are their own masters: no replica check) the ranks parted by 4e-2
+    in two steps, silently, though the README says such a parameter is refused by name (an
+    audit). Under distamp.hooks.register distamp knows a DDP reduces every gradient: refused on
+    every rank at the first step it trains, naming it. Without the hook: plain DDP's
+    semantics, the ranks part (as the README says)."""
+    for step, message in run_ranks(_unfrozen_without_rebuilding_ddp, 2, level, True):
+        assert step == 1, message
+        assert "expected the model's gradients identical on every rank" in message, message
+        assert "(first: '0." in message, message
+    for step, parted in run_ranks(_unfrozen_without_rebuilding_ddp, 2, level, False):
+        assert step is None and parted > 1e-3, (step, parted)
+
+
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_bucket_longer_than_the_scratch_stretch_is_divided_then_cast_bit_for_bit(wire, world):

@@ -153,6 +153,11 @@ def register(
     st.group.hooked_ignored |= {
         id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
     }
+    # DDP reduces every gradient over wrap's ranks: the replica check runs at O0/O1 too.
+    if st.group.process_group is not None and sorted(_ranks(group)) == sorted(
+        _ranks(st.group.process_group)
+    ):
+        st.group.hooked_params |= frozenset(in_ddp)
     masters = st.masters
     sharded_over = masters.process_group if isinstance(masters, ShardedMasterParams) else None
     sharded = isinstance(masters, ShardedMasterParams) and masters.world > 1

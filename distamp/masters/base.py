@@ -53,8 +53,12 @@ class MasterWeights(Protocol):
     def shard_grad_sample(self) -> torch.Tensor | None: ...
     def scaled_grad_sample(self) -> torch.Tensor | None: ...
     def take_written_weights(self, names: dict[int, str] | None = None) -> None: ...
-    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None: ...
-    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]: ...
+    def replica_fingerprint(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> torch.Tensor | None: ...
+    def grads_compared(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> list[nn.Parameter]: ...
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
@@ -148,11 +152,15 @@ class ModelGrads:
         parameter (see [Note: clipping what param_groups hold] in sharded.py); none here."""
         return []
 
-    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
+    def replica_fingerprint(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> torch.Tensor | None:
         """See [Note: clipping what param_groups hold] in sharded.py; None: nothing to compare."""
         return None
 
-    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
+    def grads_compared(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> list[nn.Parameter]:
         """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
         return []
 

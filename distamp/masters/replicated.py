@@ -147,25 +147,39 @@ class MasterParams(ModelGrads):
                 self.load_value(p, p.detach(), written=True)
             at += w.numel()
 
-    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
+    def replica_fingerprint(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> torch.Tensor | None:
         """``[0, 0, hg, -hg]`` (the layout of ``ShardedMasterParams.replica_fingerprint``, no
         weights to compare): ``hg`` hashes the first values of every model gradient, identical on
         every rank once DDP's all-reduce made them. A DDP built before wrap (O2/O3 cast the
         weights in place: DDP's gradient hooks, on the FP32 weights, never fired), over another
         group than wrap's, or none at all left each rank stepping its own gradients and the
         replicas drifted apart, silently (an audit: 4.4e-2 after 3 steps). None when no weight
-        is cast (O0, O1): DDP built before wrap works there, and ranks that train apart without
-        DDP are plain torch's semantics, as they are for an uncast model. ``ignored``: the
-        parameters DDP was told to leave alone (see ``ScalerGroup.ddp_ignored``)."""
-        if not any(p.dtype in HALF_DTYPES for p in self.model_params):
+        is cast (O0, O1) unless ``hooked``: DDP built before wrap works there, and ranks that
+        train apart without DDP are plain torch's semantics, as they are for an uncast model;
+        but a DDP given to ``distamp.hooks.register`` over wrap's ranks reduces every gradient,
+        so one it does not reduce (frozen when DDP was built, trained later) is refused there
+        too (an audit: the ranks parted by 4e-2 in two steps at O0/O1, silently). ``ignored``:
+        the parameters DDP was told to leave alone (see ``ScalerGroup.ddp_ignored``);
+        ``hooked``: those of such DDPs (``ScalerGroup.hooked_params``)."""
+        if not hooked and not self._cast():
             return None
-        sampled = grad_samples(self.grads_compared(ignored))
+        sampled = grad_samples(self.grads_compared(ignored, hooked=hooked))
         device = next((t.device for t in sampled), torch.device("cpu"))
         return torch.cat([torch.zeros(2, device=device), bit_hash(sampled, device)])
 
-    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
-        """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
-        return [p for p in self.model_params if id(p) not in ignored]
+    def grads_compared(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> list[nn.Parameter]:
+        """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks:
+        all but ``ignored`` where weights are cast, else those of ``hooked``."""
+        cast = self._cast()
+        return [p for p in self.model_params if id(p) not in ignored and (cast or id(p) in hooked)]
+
+    def _cast(self) -> bool:
+        """Is any weight this optimizer steps in a half dtype (O2/O3)?"""
+        return any(p.dtype in HALF_DTYPES for p in self.model_params)
 
     def step_grads(self) -> list[torch.Tensor]:
         """The unscaled gradients the inner optimizer steps."""

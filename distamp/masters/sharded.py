@@ -696,7 +696,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         ]
         return torch.cat(parts) if parts else None
 
-    def replica_fingerprint(self, ignored: frozenset[int]) -> torch.Tensor | None:
+    def replica_fingerprint(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> torch.Tensor | None:
         """``[hw, -hw, hg, -hg]``: bit hashes of what must be identical on every rank of the
         masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
         max(h) == -max(-h)): ``hw`` of the parameters every rank steps whole, ``hg`` of the first
@@ -714,7 +716,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
         return torch.cat([bit_hash(kept, device), bit_hash(sampled, device)])
 
-    def grads_compared(self, ignored: frozenset[int]) -> list[nn.Parameter]:
+    def grads_compared(
+        self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
+    ) -> list[nn.Parameter]:
         """The parameters whose gradients :meth:`replica_fingerprint` compares between ranks."""
         params = [p for layout in self.groups for p in layout.params]
         # Under the reduce-scatter hook the model's .grad stay each rank's own where the hook

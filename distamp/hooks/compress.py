@@ -216,11 +216,15 @@ def _compress_hook(
     wire = getattr(state, "wire_dtype", None) or default_wire
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
-    if buffer.is_sparse and buffer.device.type == "cpu" and wire == torch.float16:
+    sparse_fp16 = (
+        buffer.is_sparse and buffer.device.type == "cpu" and torch.float16 in (wire, buffer.dtype)
+    )
+    if sparse_fp16:
         # gloo sums sparse tensors with torch's sparse add, which has no FP16 kernel on CPU
-        # ("cadd_sparse" not implemented for 'Half'): reduce the sparse bucket in its own dtype
-        # (gloo's sparse all-reduce gathers the touched rows; compressing them saves little).
-        wire = buffer.dtype
+        # ("cadd_sparse" not implemented for 'Half'): reduce the sparse bucket in FP32 (gloo's
+        # sparse all-reduce gathers the touched rows; compressing them saves little), also an
+        # O2/O3 FP16 model's own (an audit: backward failed inside torch, as plain DDP does).
+        wire = torch.float32
     # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into the pool's stretches: it
     # takes the plain path (an audit: CompressState crashed in backward with aten::as_strided).
     pool = (
@@ -235,6 +239,8 @@ def _compress_hook(
             compressed = _divide_then_cast(
                 buffer, world, wire, out, scratch=pool.scratch(buffer.device, buffer.numel())
             )
+    elif sparse_fp16:
+        compressed = buffer.float().div_(world)
     else:
         compressed = _divide_then_cast(buffer, world, wire, None)
     if isinstance(state, CompressState):

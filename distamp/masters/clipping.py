@@ -13,6 +13,13 @@ from collections.abc import Sequence
 import torch
 
 
+def norm_operands(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` as tensors a norm kernel takes: a sparse gradient (``nn.Embedding(sparse=True)``)
+    as its coalesced values — duplicate indices summed first — since torch's norms have no
+    sparse kernel (an audit: clip_grad_norm_ failed inside torch with replicated masters)."""
+    return [g.coalesce().values() if g.is_sparse else g for g in grads]
+
+
 def norm_part(
     grads: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> torch.Tensor:
@@ -20,7 +27,9 @@ def norm_part(
     norm (inf-norm) or the sum of ``norm ** norm_type`` (reduce it with MAX or SUM)."""
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.float(), norm_type) for g in norm_operands(grads)]
+    )
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return part.reshape(1).to(device)
 
@@ -40,7 +49,10 @@ def scale_to_max_norm_(
     with torch.no_grad():
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
-            by_device.setdefault(g.device, []).append(g)
+            if g.is_sparse:  # no sparse _foreach kernel
+                g.mul_(coef.to(g.device))
+            else:
+                by_device.setdefault(g.device, []).append(g)
         for device, same in by_device.items():
             torch._foreach_mul_(same, coef.to(device))
     return coef

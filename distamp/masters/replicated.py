@@ -19,7 +19,7 @@ from .base import (
     strided_sample,
     written_through_data,
 )
-from .clipping import scale_to_max_norm_
+from .clipping import norm_operands, scale_to_max_norm_
 from .nonfinite import check_and_unscale_
 
 
@@ -197,7 +197,7 @@ class MasterParams(ModelGrads):
             return torch.tensor(0.0)
         # torch's own norm, so a script clipping with torch.nn.utils.clip_grad_norm_ (apex's
         # recipe, on amp.master_params) and one using distamp.clip_grad_norm_ agree bit for bit.
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        total = torch.nn.utils.get_total_norm(norm_operands(grads), norm_type)
         scale_to_max_norm_(grads, total, max_norm)
         return total
 

@@ -37,7 +37,10 @@ def rate_bits_per_s(rate: str) -> float:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", rate.strip().lower())
     if match is None:
         raise ValueError(f"--link: expected a rate like 1gbit, 100mbit or 10gbit, got {rate!r}")
-    return float(match.group(1)) * RATE_UNITS[match.group(2)]
+    bits = float(match.group(1)) * RATE_UNITS[match.group(2)]
+    if bits < 8e3:  # tc's tbf refuses a rate of 0 ("the rate parameter is mandatory")
+        raise ValueError(f"--link: expected a rate of at least 8kbit, got {rate!r}")
+    return bits
 
 
 @dataclass(frozen=True)

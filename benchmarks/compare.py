@@ -972,6 +972,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--{flag.replace('_', '-')} {path}: expected a folder (made if missing), "
                 "found a file"
             )
+        if path is not None:  # (an audit: every row ran, then writing the table failed)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            except OSError as exc:
+                parser.error(
+                    f"--{flag.replace('_', '-')} {path}: expected a folder this process can "
+                    f"write (made if missing), found {exc.strerror or exc}"
+                )
     if args.nodes and args.world % args.nodes:
         parser.error(f"--world {args.world} is not a multiple of --nodes {args.nodes}")
     if args.only:  # a name given twice ran twice a round (an audit)

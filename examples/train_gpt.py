@@ -404,6 +404,36 @@ def check_resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             f"weights ({level}); expected --half-dtype {half} (or auto, which keeps it), or "
             "--resume none"
         )
+    saved = info.get("parameters")
+    built = gpt_parameters(args.size, args.seq_len)
+    if saved and saved != built:
+        # (an audit: another --size/--seq-len passed here and failed on every rank in
+        # load_checkpoint, retried by torchrun --max-restarts)
+        fits = [f"--size {size} --seq-len {seq_len}" for size, seq_len in sizes_holding(saved)]
+        parser.error(
+            f"--size {args.size} --seq-len {args.seq_len}: builds a model of {built:,} "
+            f"parameters, the checkpoint resumed from ({path}) holds {saved:,}; expected the "
+            f"run's sizes ({' or '.join(fits) or 'another model than this example builds'}), "
+            "or --resume none"
+        )
+
+
+def gpt_parameters(size: str, seq_len: int) -> int:
+    """The parameters of ``GPT`` at ``--size``/``--seq-len``, counted on the meta device."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=seq_len, **SIZES[size]))
+    return sum(p.numel() for p in model.parameters())
+
+
+def sizes_holding(count: int) -> list[tuple[str, int]]:
+    """The (--size, --seq-len) pairs whose model has ``count`` parameters (the position table
+    grows by n_embd per position)."""
+    found = []
+    for size in SIZES:
+        one, per = gpt_parameters(size, 1), SIZES[size]["n_embd"]
+        if count >= one and (count - one) % per == 0:
+            found.append((size, 1 + (count - one) // per))
+    return found
 
 
 def check_ckpt_dir(parser: argparse.ArgumentParser, path: Path, flag: str = "--ckpt-dir") -> None:
@@ -1092,7 +1122,11 @@ class Progress:
 def main() -> int:
     args = parse_args()
     if args.check_args:
-        check_backend(args.backend)
+        try:
+            check_backend(args.backend)
+        except SystemExit as refused:  # exit 2 as argparse's refusals (it exited 1: an audit)
+            print(f"train_gpt.py: error: {refused}", file=sys.stderr)
+            return 2
         return check_run_dirs_free(args)
     device, backend = setup_distributed(args.backend)
     rank = dist.get_rank() if backend else 0

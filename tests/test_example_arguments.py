@@ -96,6 +96,12 @@ def test_check_args_refuses_a_bad_value_and_passes_a_good_one_without_a_process_
     assert bad.returncode == 2 and "--clip" in bad.stderr and "nan" in bad.stderr, bad.stderr
     good = check("--steps", "3")
     assert good.returncode == 0 and not good.stdout, good.stdout + good.stderr
+    if script == "train_gpt.py":  # exited 1 (a SystemExit with a message), not 2 (an audit)
+        import torch
+
+        if not torch.cuda.is_available():
+            nccl = check("--backend", "nccl")
+            assert nccl.returncode == 2 and "expected a GPU per rank" in nccl.stderr, nccl
 
 
 def test_a_ckpt_dir_that_cannot_be_made_is_refused_before_training(tmp_path, capsys):
@@ -189,22 +195,26 @@ def test_a_checkpoint_the_flags_cannot_load_is_refused_before_training(tmp_path,
     attempt under --max-restarts; --resume at the folder of checkpoints likewise (an audit).
     The checkpoint's half dtype is kept by auto; flags it cannot load with exit 2 at once."""
     import torch
-    from train_gpt import pick_opt_level, saved_precision
+    from train_gpt import GPT, SIZES, GPTConfig, pick_opt_level, saved_precision
 
     import distamp
 
-    model = torch.nn.Linear(4, 4)
+    model = GPT(GPTConfig(block_size=16, **SIZES["micro"]))
     opt = torch.optim.AdamW(model.parameters())
     model, opt = distamp.wrap(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
-    with distamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+    with distamp.scale_loss(sum(p.float().sum() for p in model.parameters()), opt) as scaled:
         scaled.backward()
     opt.step()
     distamp.save_checkpoint(tmp_path / "step_000002", model, opt, extra={"step": 2})
-    common = ["--ckpt-dir", str(tmp_path), "--run-dir", "none"]
+    common = ["--ckpt-dir", str(tmp_path), "--run-dir", "none", "--size", "micro"]
+    common += ["--seq-len", "16"]
     for flags, message in (
         (["--half-dtype", "bf16"], "holds fp16 weights (O2); expected --half-dtype fp16"),
         (["--opt-level", "O1"], "was saved at O2; expected --opt-level O2 (or auto"),
         (["--resume", str(tmp_path)], "expected a committed distamp checkpoint"),
+        # another model: every rank failed in load_checkpoint, retried by --max-restarts
+        (["--size", "tiny"], "the checkpoint resumed from"),
+        (["--seq-len", "32"], "expected the run's sizes (--size micro --seq-len 16)"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(common + flags)

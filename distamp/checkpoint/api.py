@@ -729,16 +729,19 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         for key in list(theirs) + [k for k in mine if k not in theirs]:
             if key not in mine:
                 raise CheckpointError(
-                    f"{where}: the checkpoint has {key!r}, this model does not; {WEIGHTS_ALONE}"
+                    f"{where}: the checkpoint has {key!r}, this model does not: expected the "
+                    f"model it was saved from; {WEIGHTS_ALONE}"
                 )
             if key not in theirs:
                 raise CheckpointError(
-                    f"{where}: this model has {key!r}, the checkpoint does not; {WEIGHTS_ALONE}"
+                    f"{where}: this model has {key!r}, the checkpoint does not: expected the "
+                    f"model it was saved from; {WEIGHTS_ALONE}"
                 )
             if list(mine[key][0]) != list(theirs[key][0]):
                 raise CheckpointError(
                     f"{where}: {key!r} has shape {tuple(theirs[key][0])} in the checkpoint, "
-                    f"{tuple(mine[key][0])} in this model; {WEIGHTS_ALONE}"
+                    f"{tuple(mine[key][0])} in this model: expected the model it was saved from "
+                    f"(the same sizes); {WEIGHTS_ALONE}"
                 )
     if len(manifest["optimizers"]) != len(target.views):
         raise CheckpointError(

@@ -210,6 +210,17 @@ class AmpModule(nn.Module):
     _distamp_policy: ClassVar[CastPolicy]
     _distamp_properties: ClassVar[Properties]
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """torch.jit.script calls this first: refuse in words instead of TorchScript's "Compiled
+        functions can't take variable number of arguments" pointing at this file (an audit)."""
+        raise RuntimeError(
+            f"torch.jit.script: expected a plain module, found {type(self).__name__} wrapped by "
+            "distamp (its forward casts and enters autocast in Python, which TorchScript cannot "
+            "compile): use torch.jit.trace, torch.export.export or torch.compile on it, or "
+            "script a plain model loaded with its weights (model.state_dict(), or "
+            "distamp.checkpoint.consolidate for FP32 ones)"
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy = type(self)._distamp_policy
         probes = self.__dict__.get("_distamp_dtype_probes")
@@ -279,7 +290,9 @@ def check_dtypes(model: nn.Module, probes: tuple[tuple[str, torch.dtype], ...]) 
                 f"distamp: parameter {name!r} is {found}, but distamp.wrap left it {dtype} "
                 f"(opt_level {props.opt_level if props else '?'}): expected no dtype "
                 "conversion of a wrapped model (model.float()/.half()/.to(dtype), "
-                "load_state_dict(assign=True)); convert before wrap, or wrap a fresh model "
+                "load_state_dict(assign=True), a `.data =` of another dtype: re-initialize "
+                "in place with nn.init, or assign `.data = t.to(p.dtype)`); convert before "
+                "wrap, or wrap a fresh model "
                 "(torch.func.functional_call: pass tensors in the dtypes wrap left, e.g. "
                 "{k: v.to(p.dtype) for ...} over model.named_parameters())"
             )

@@ -96,6 +96,12 @@ CONVERSIONS = {
         lambda m: m.load_state_dict(net().state_dict(), assign=True),
         r"'0.weight' is torch.float32, but distamp.wrap left it torch.bfloat16",
     ),
+    # an old-style re-init after wrap: the message named only the others (an audit)
+    "O2 .data = fp32 tensor": (
+        "O2",
+        lambda m: setattr(m[0].weight, "data", torch.randn(m[0].weight.shape)),
+        r"'0.weight' is torch.float32, .*a `\.data =` of another dtype",
+    ),
 }
 
 
@@ -308,3 +314,17 @@ def test_functional_call_with_tensors_of_other_dtypes_is_named():
         torch.func.functional_call(model, fp32, (x,))
     same = {k: v.detach().clone() for k, v in model.named_parameters()}
     torch.testing.assert_close(torch.func.functional_call(model, same, (x,)), model(x))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_torch_jit_script_is_refused_in_words_and_trace_works(level):
+    """TorchScript failed on every wrapped model with "Compiled functions can't take variable
+    number of arguments", pointing at distamp's forward (an audit)."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script: expected a plain module.*trace"):
+        torch.jit.script(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(model, x)(x), model(x))

@@ -236,3 +236,22 @@ def test_skip_setup_installs_nothing_and_a_python_without_torch_is_named(tmp_pat
     assert done.returncode == 2, done.stderr
     assert f"expected torch importable by {fake}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "pip" not in log.read_text()
+
+
+def test_a_master_port_in_use_is_refused_before_torchrun_starts():
+    """Node rank 0 hosts the store on --master's port: one in use failed ~13 s later in a
+    torchrun traceback (EADDRINUSE; an audit). No namespaces needed."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = ["bash", str(ROOT / "launch" / "multinode.sh"), "--nnodes", "1"]
+        cmd += ["--master", f"127.0.0.1:{port}", "--", *TINY, "--steps", "2"]
+        done = subprocess.run(
+            cmd, env=ENV, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"127.0.0.1:{port}: expected the port free on node rank 0" in done.stderr, done.stderr
+    assert "torch.distributed" not in done.stderr, done.stderr[-2000:]

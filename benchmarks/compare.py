@@ -960,11 +960,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and not (value > 0 and value < float("inf")):
             parser.error(f"--{flag.replace('_', '-')}: expected a finite number > 0, got {value}")
-    if args.nodes:
-        try:
-            rate_bits_per_s(args.link)
-        except ValueError as exc:
-            parser.error(str(exc))
+    try:  # (also without --nodes: a typo there was ignored silently, an audit)
+        rate_bits_per_s(args.link)
+    except ValueError as exc:
+        parser.error(str(exc))
     for flag in ("out_dir", "profile"):
         path = getattr(args, flag)
         if path is not None and path.exists() and not path.is_dir():

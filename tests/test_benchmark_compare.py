@@ -301,6 +301,7 @@ def test_only_runs_a_row_once_and_a_compute_given_is_the_one_run():
         # an audit: every row ran, then the table could not be written / tc refused rate 0
         (["--out-dir", "/proc/distamp-bench"], "expected a folder this process can write"),
         (["--nodes", "2", "--link", "0gbit"], "--link: expected a rate of at least 8kbit"),
+        (["--link", "junk"], "--link: expected a rate like 1gbit"),
         # an audit: --only ran a bf16 row under a header saying fp32 compute
         (
             ["--compute", "fp32", "--only", "distamp O2 sharded + reduce-scatter hook"],

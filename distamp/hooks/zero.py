@@ -11,7 +11,10 @@ all-reduce (benchmarks/README figures); its all-to-all in pieces is not.
 
 What stays the same: every addend is divided by the world size before it is cast to the wire dtype
 (see [Note: divide before casting down]), the sum is rounded to the wire dtype once, as the
-all-reduce's is (at 2 ranks the result is bit for bit the all-reduce's), and an inf/NaN in any
+all-reduce's is (at 2 ranks the result is bit for bit the all-reduce's where the wire is the
+gradients' own dtype; a wire other than a half model's own — an FP16 wire for BF16 gradients —
+is summed into the FP32 shard without the all-reduce's second rounding, back into the bucket's
+dtype: within one ulp of it, an audit), and an inf/NaN in any
 rank's bucket reaches the owner's shard gradient and so the skip decision (see [Note: inf/NaN are
 never lost]). What changes: the model's ``.grad`` keep this rank's own (unreduced) gradients, as
 with ZeRO-2 — ``distamp.unscale_`` gathers the reduced ones back into them for torch's clipping

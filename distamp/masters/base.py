@@ -274,17 +274,17 @@ def grad_version(param: torch.Tensor) -> tuple[int, int] | None:  # Dynamo's rec
 
 
 def grad_samples(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The first few values of every parameter's gradient (FP32 copies; zeros for none, or a
-    sparse one, whose rows come in any order): what must be identical on every rank after
-    DDP's all-reduce, for the skip decision's all-reduce to compare (see
-    ``ShardedMasterParams.replica_fingerprint``)."""
+    """The first few values of every parameter's gradient (views in its dtype, which
+    :func:`bit_hash` widens once; zeros for none, or a sparse one, whose rows come in any order):
+    what must be identical on every rank after DDP's all-reduce, for the skip decision's
+    all-reduce to compare (see ``ShardedMasterParams.replica_fingerprint``)."""
     out = []
     for p in params:
         g = p.grad
         if g is None or g.layout != torch.strided:
             out.append(torch.zeros(min(4, p.numel()), device=p.device))
         else:
-            out.append(g.detach().reshape(-1)[:4].float())
+            out.append(g.reshape(-1)[:4])
     return out
 
 
@@ -293,7 +293,8 @@ def bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not tensors:
         return torch.zeros(2, dtype=torch.float32, device=device)
     with torch.no_grad():
-        bits = torch.cat([t.float() for t in tensors]).view(torch.int32).to(torch.int64)
+        # one cat (promoting a mix of dtypes to FP32 exactly), one widening: not one per tensor
+        bits = torch.cat(tensors).float().view(torch.int32).to(torch.int64)
         position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
         h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)

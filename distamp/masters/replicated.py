@@ -7,6 +7,8 @@ masters: no copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -21,6 +23,15 @@ from .base import (
 )
 from .clipping import norm_operands, scale_to_max_norm_
 from .nonfinite import check_and_unscale_
+
+
+@dataclass
+class _Samples:
+    """Sampled views of one device's and weight dtype's weights and of their masters."""
+
+    params: list[nn.Parameter]
+    weights: list[torch.Tensor]
+    masters: list[torch.Tensor]
 
 
 class MasterParams(ModelGrads):
@@ -40,6 +51,9 @@ class MasterParams(ModelGrads):
         self.weight_versions: list[int] = []
         """Each weight's version counter after the masters last wrote it: see [Note: weights
         written after wrap] in base.py."""
+        self._samples: tuple[tuple[int, ...], list[_Samples]] = ((), [])
+        """The sampled views :meth:`_take_writes_through_data` compares, keyed by the storages
+        they view (made again when a ``.data`` or a master is replaced, or a group added)."""
 
     @classmethod
     def take(
@@ -119,33 +133,53 @@ class MasterParams(ModelGrads):
         self._record_weights()
 
     def _take_writes_through_data(self) -> None:
-        """See [Note: writes through .data] in base.py."""
+        """See [Note: writes through .data] in base.py. The sampled views are made once (per
+        storage) and compared with one ``cat`` per device and dtype and one host read: made per
+        parameter at every step they cost ~40 us a parameter, a fifth of an O2 step over 1,600
+        small tensors (an audit)."""
+        groups = self._sample_views()
+        if not groups:
+            return
+        with torch.no_grad():
+            differs = [
+                written_through_data(
+                    torch.cat(g.weights), torch.cat(g.masters).to(g.weights[0].device)
+                )
+                for g in groups
+            ]
+            anywhere = torch.stack([d.any().to(groups[0].weights[0].device) for d in differs])
+        if not bool(anywhere.any()):
+            return
+        for group, differ in zip(groups, differs, strict=True):
+            at = 0
+            for p, w in zip(group.params, group.weights, strict=True):
+                if bool(differ[at : at + w.numel()].any()):
+                    self.load_value(p, p.detach(), written=True)
+                at += w.numel()
+
+    def _sample_views(self) -> list[_Samples]:
+        """The cached sampled views of each separate, strided weight and its master, by the
+        weight's device and dtype and the master's device."""
         pairs = [
             (p, m)
             for p, m, s in zip(self.model_params, self.masters, self.separate, strict=True)
             if s
-            and p.numel()
-            and p.layout == torch.strided
-            and p.is_contiguous()
-            and m.is_contiguous()
         ]
-        if not pairs:
-            return
-        with torch.no_grad():
-            weights = [strided_sample(p.detach().view(-1)) for p, _ in pairs]
-            masters = [strided_sample(m.detach().view(-1)).to(p.dtype) for p, m in pairs]
-            device = weights[0].device
-            differ = written_through_data(
-                torch.cat([w.float().to(device) for w in weights]),
-                torch.cat([m.float().to(device) for m in masters]),
-            )
-        if not bool(differ.any()):
-            return
-        at = 0
-        for (p, _), w in zip(pairs, weights, strict=True):
-            if bool(differ[at : at + w.numel()].any()):
-                self.load_value(p, p.detach(), written=True)
-            at += w.numel()
+        key = tuple(t.data_ptr() for pair in pairs for t in pair)
+        if key == self._samples[0]:
+            return self._samples[1]
+        by_kind: dict[tuple[torch.device, torch.dtype, torch.device], _Samples] = {}
+        for p, m in pairs:
+            if not (p.numel() and p.layout == torch.strided and p.is_contiguous()):
+                continue
+            if not m.is_contiguous():
+                continue
+            group = by_kind.setdefault((p.device, p.dtype, m.device), _Samples([], [], []))
+            group.params.append(p)
+            group.weights.append(strided_sample(p.detach().view(-1)))
+            group.masters.append(strided_sample(m.detach().view(-1)))
+        self._samples = (key, list(by_kind.values()))
+        return self._samples[1]
 
     def replica_fingerprint(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()

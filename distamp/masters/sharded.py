@@ -631,7 +631,9 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         shard; a weight whose sample differs is merged as a write. Every rank checks its own
         pieces (the ranks' weights are the same; each merges what it owns). Also with 16-bit
         updates: once the gather has landed (take_written_weights waits for it) the owner's
-        shard is its pieces of the weights exactly (see ``_apply_updates``)."""
+        shard is its pieces of the weights exactly (see ``_apply_updates``). One host read for
+        every group (it was one per group, an audit)."""
+        found: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for g, layout in enumerate(self.groups):
             flat, shard = layout.flat_half, self.shards[g]
             if flat is None or not layout.params:
@@ -640,9 +642,16 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             if not flat_at.numel():
                 continue
             with torch.no_grad():
-                differ = written_through_data(flat[flat_at], shard[shard_at])
+                found.append((g, written_through_data(flat[flat_at], shard[shard_at]), owner))
+        if not found:
+            return
+        anywhere = torch.stack([differ.any().to(found[0][1].device) for _, differ, _ in found])
+        if not bool(anywhere.any()):
+            return
+        for g, differ, owner in found:
             if not bool(differ.any()):
                 continue
+            layout = self.groups[g]
             for index in sorted({int(i) for i in owner[differ].tolist()}):
                 param = layout.params[index]
                 self.load_value(param, param.detach(), written=True)

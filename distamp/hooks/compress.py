@@ -72,6 +72,8 @@ class CompressState:
     _scratch: torch.Tensor | None = field(default=None, repr=False)
     """The FP32 quotients of one stretch of a bucket on their way to the wire dtype: see
     :func:`_divide_then_cast`."""
+    _backwards: int = field(default=0, repr=False)
+    """Backwards begun since the hook was registered (counted at bucket 0)."""
 
     def finish_gather(self) -> None:
         """Nothing to wait for: the all-reduce hooks gather no weights. Here so that a script
@@ -111,13 +113,18 @@ class CompressState:
 
     def give(self, *views: torch.Tensor) -> None:
         """Buffers from :meth:`take` whose bucket is done with them. One more than twice as long
-        as what it served (the buckets of DDP's first step, before it rebuilds them, can be much
-        longer) is dropped, and so is the longest when more than two per bucket in flight are
-        free: the pool holds what the buckets of now need, no more."""
+        as what it served is dropped, and so is the longest when more than two per bucket in
+        flight are free: the pool holds what the buckets of now need, no more. Nothing is kept
+        from the first backward: DDP rebuilds its buckets after it, and a 16 MB buffer of the
+        first step's buckets stayed until the second backward re-planned, raising the peak of
+        the second forward by as much (an audit of the sharded row's peak RSS)."""
         with self._lock:
             for view in views:
                 whole = self._lent.pop(id(view))
-                if whole.numel() <= 2 * max(view.numel() * view.element_size(), GRAIN):
+                first = self._backwards <= 1
+                if not first and whole.numel() <= 2 * max(
+                    view.numel() * view.element_size(), GRAIN
+                ):
                     self._free.append(whole)
             while len(self._free) > 2 * MAX_IN_FLIGHT:
                 self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
@@ -128,6 +135,7 @@ class CompressState:
         every bucket of the last one."""
         if index == 0:
             self._in_flight.clear()
+            self._backwards += 1
         while self._in_flight and (
             self._in_flight[0].done() or len(self._in_flight) >= MAX_IN_FLIGHT
         ):

@@ -131,3 +131,30 @@ def test_a_write_through_a_replaced_data_is_still_taken():
             model[0].weight.data.fill_(0.25)  # through .data: no version bump
     master = opt.param_groups[0]["params"][0]
     assert torch.equal(master.detach(), torch.full_like(master, 0.25))
+
+
+@pytest.mark.parametrize("how", [".data", "no_grad"])
+@pytest.mark.parametrize("which", ["added", "held"])
+def test_a_write_between_add_param_group_and_the_next_step_is_taken(how, which):
+    """Progressive unfreezing: the parameters added by add_param_group had no recorded versions,
+    so the next step's check of weights written after wrap skipped every parameter, and a write
+    made between add_param_group and that step (a halved weight) was undone by the replicated
+    masters, silently (an audit). lr 0: the weight must stay exactly as written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.0)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    for step in range(2):
+        backward(model(torch.randn(4, 8)).float().pow(2).mean(), opt)
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            opt.add_param_group({"params": list(model[0].parameters())})
+            weight = (model[0] if which == "added" else model[2]).weight
+            written = (weight.detach().float() * 0.5).to(weight.dtype)
+            if how == ".data":
+                weight.data.mul_(0.5)
+            else:
+                with torch.no_grad():
+                    weight.mul_(0.5)
+    assert torch.equal(weight.detach(), written)

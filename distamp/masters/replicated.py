@@ -279,8 +279,12 @@ class MasterParams(ModelGrads):
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]:
         """Masters for a param group added after wrap: FP32 copies of the half parameters
-        (``fp32_masters=False``, O3: none, the half parameters are stepped themselves)."""
+        (``fp32_masters=False``, O3: none, the half parameters are stepped themselves). Their
+        versions are recorded as the masters are made: left out, the next step's check of
+        weights written after wrap skipped every parameter, and a write between
+        ``add_param_group`` and that step was undone (an audit: progressive unfreezing)."""
         out: list[torch.Tensor] = []
+        recorded = len(self.weight_versions) == len(self.model_params)
         for param in params:
             master: torch.Tensor = param
             if fp32_masters and param.dtype in HALF_DTYPES:
@@ -289,6 +293,8 @@ class MasterParams(ModelGrads):
             self.model_params.append(param)
             self.masters.append(master)
             self.separate.append(master is not param)
+            if recorded:
+                self.weight_versions.append(param._version if master is not param else -1)
             out.append(master)
         return out
 

@@ -427,12 +427,14 @@ def gpt_parameters(size: str, seq_len: int) -> int:
 
 def sizes_holding(count: int) -> list[tuple[str, int]]:
     """The (--size, --seq-len) pairs whose model has ``count`` parameters (the position table
-    grows by n_embd per position)."""
+    grows by n_embd per position), --seq-len at most 8192 (an arithmetic match of another size
+    at 23,701 positions is no suggestion)."""
     found = []
     for size in SIZES:
         one, per = gpt_parameters(size, 1), SIZES[size]["n_embd"]
-        if count >= one and (count - one) % per == 0:
-            found.append((size, 1 + (count - one) // per))
+        seq_len = 1 + (count - one) // per
+        if count >= one and (count - one) % per == 0 and seq_len <= 8192:
+            found.append((size, seq_len))
     return found
 
 

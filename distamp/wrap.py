@@ -844,6 +844,13 @@ def scale_loss(
         )
     for st in states:
         drop_cleared_gradients(st)
+        if st.state is OptState.UNSCALED and st.interrupted:
+            raise RuntimeError(
+                "scale_loss: the last step() of this optimizer raised before it stepped (an "
+                "exception from a step pre-hook): its gradients are unscaled and its skip "
+                "decision made; expected step() again to step them, or zero_grad() to drop the "
+                "batch, before the next backward"
+            )
         if st.state is OptState.UNSCALED:
             raise RuntimeError(
                 "scale_loss: unscale_() (or clip_grad_norm_, or amp.master_params() after a block "

@@ -109,6 +109,67 @@ def test_a_step_pre_hook_that_raises_is_not_counted_as_a_step():
     assert distamp.stats(opt).steps == 1
 
 
+def _interrupted_run(level, after):
+    """Two batches; the first step()'s pre-hook raises KeyboardInterrupt; then ``after``:
+    "step" (step again), "zero_grad" (drop the batch), "backward" (the next batch's backward
+    first). Returns (the weights after the second batch's step, a refusal or None, stats)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(2)]
+
+    def backward(x):
+        with distamp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+
+    backward(batches[0])
+    if after is not None:
+        handle = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        handle.remove()
+    refused = None
+    if after in (None, "step"):
+        opt.step()
+        opt.zero_grad()
+    elif after == "zero_grad":
+        opt.zero_grad()
+    else:
+        try:
+            backward(batches[1])
+        except RuntimeError as err:
+            refused = str(err)
+        opt.step()
+        opt.zero_grad()
+    backward(batches[1])
+    opt.step()
+    weights = [p.detach().float().clone() for p in model.parameters()]
+    return weights, refused, distamp.stats(opt)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_interrupted_step_keeps_its_decision(level):
+    """A step pre-hook raising (a KeyboardInterrupt) after distamp had unscaled the FP32
+    gradients in place reset the optimizer to READY: the next batch's scaled gradients were
+    added to the unscaled ones and the step divided the sum by the scale again — the first
+    batch was lost, silently (an audit: at O1, and O2's FP32 norm layers). Now step() again
+    steps the first batch exactly as an uninterrupted step; zero_grad() drops it; a backward
+    before either is refused, saying so."""
+    clean, _, clean_stats = _interrupted_run(level, None)
+    again, _, stats = _interrupted_run(level, "step")
+    for a, b in zip(clean, again, strict=True):
+        assert torch.equal(a, b)
+    assert stats.steps == clean_stats.steps == 2
+    dropped, _, _ = _interrupted_run(level, "zero_grad")
+    assert not torch.equal(dropped[0], clean[0])
+    stepped_after_refusal, refused, _ = _interrupted_run(level, "backward")
+    assert refused is not None and "raised before it stepped" in refused, refused
+    for a, b in zip(clean, stepped_after_refusal, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_step_post_hook_that_raises_still_counts_the_step_it_follows():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -121,3 +182,33 @@ def test_a_step_post_hook_that_raises_still_counts_the_step_it_follows():
         opt.step()
     assert not torch.equal(model.weight, before)
     assert distamp.stats(opt).steps == 1
+
+
+def _interrupted_across_ranks(rank, world, config, interrupt):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, verbosity=0, **config)
+    ddp = DDP(model)
+    shard = config.get("shard_master_weights", False)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=shard, overlap_gather=shard)
+    for i, (x, y) in enumerate(data(3, 4, seed=10 + rank)):
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+            scaled.backward()
+        if i == 1 and interrupt:  # every rank's pre-hook raises; each steps again
+            handle = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError()))
+            with pytest.raises(RuntimeError):
+                opt.step()
+            handle.remove()
+        opt.step()
+        opt.zero_grad()
+    state.finish_gather()  # the last step's overlapped gather has landed
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["O2 sharded", "O0 sharded FP32 weights"])
+def test_an_interrupted_step_stepped_again_is_the_uninterrupted_step_across_ranks(name):
+    interrupted = run_ranks(_interrupted_across_ranks, 2, CONFIGS[name], True, timeout=120)
+    clean = run_ranks(_interrupted_across_ranks, 2, CONFIGS[name], False, timeout=120)
+    for rank in range(2):
+        for a, b in zip(interrupted[rank], clean[rank], strict=True):
+            assert torch.equal(a, b), name

@@ -122,6 +122,9 @@ class AmpOptimizerState:
         self.in_step = False
         """Inside ``step()``: an optimizer nested in the wrapped one may step (see
         :class:`NestedStepGuard`)."""
+        self.interrupted = False
+        """The last ``step()`` raised before the inner optimizer stepped (a step pre-hook: a
+        KeyboardInterrupt, a user's check): see [Note: an interrupted step keeps its decision]."""
 
     def settings(self) -> list[dict[str, list[float]]]:
         """Every param group's numeric settings (lr, betas, weight_decay, momentum, ...) by key,
@@ -158,6 +161,7 @@ class AmpOptimizerState:
     def reset(self) -> None:
         """Back to READY: after a step, or when the gradients are zeroed."""
         self.state = OptState.READY
+        self.interrupted = False
         self.unlisted_loss = None
         self.mixed_scales = None
         self.adopted_grads = None
@@ -316,6 +320,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         st.steps += not placeholder
         st.last_step_skipped = st.overflow or edited is not None
         st.in_step = True
+        interrupted = False
         try:
             if edited is not None:
                 st.skipped_steps += 1
@@ -330,15 +335,26 @@ class AmpOptimizer(torch.optim.Optimizer):
                 except BaseException:
                     if not st.inner_stepped:  # (a step pre-hook raised: no step was taken)
                         st.steps -= not placeholder
+                        interrupted = True
                     raise
         finally:
             st.in_step = False
-            st.reset()
-            st.masters.restored = False
-            st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
-            st.backward_since_step = False
-            if st.watches_backward:  # parameters unfrozen since wrap (or since the last step)
-                watch_backward(st, st.masters.model_params)
+            if interrupted:
+                # [Note: an interrupted step keeps its decision] The gradients were unscaled
+                # (FP32 ones in place) and decided; reset to READY, the next block added its
+                # scaled gradients to those unscaled ones and the step divided the sum by the
+                # scale again: the batch was lost, silently (an audit, 0.186 -> 2.8e-6). Left as
+                # after unscale_: step() again steps them, zero_grad() drops them, and a
+                # backward before either is refused, saying so.
+                st.interrupted = True
+                st.last_step_skipped = False
+            else:
+                st.reset()
+                st.masters.restored = False
+                st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
+                st.backward_since_step = False
+                if st.watches_backward:  # parameters unfrozen since wrap (or the last step)
+                    watch_backward(st, st.masters.model_params)
         return loss
 
     def __getattr__(self, name: str) -> Any:

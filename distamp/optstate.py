@@ -18,3 +18,8 @@ class OptState(enum.Enum):
     """``scale_loss`` produced gradients that are still multiplied by the loss scale."""
     UNSCALED = "unscaled"
     """``unscale_`` ran: gradients are true gradients and the skip decision is made."""
+
+
+HELD = "params held (count, elements, shapes hash)"
+"""The pseudo-setting ``AmpOptimizerState.settings`` compares across ranks for what a param group
+holds (replicated masters), named in the optimizer's refusal of parted settings."""

@@ -34,7 +34,7 @@ from .forensics import (
     read_evidence,
 )
 from .masters.base import bit_hash, grad_samples, grad_version, local_tensor
-from .optstate import OptState
+from .optstate import HELD, OptState
 
 if TYPE_CHECKING:
     from torch import nn
@@ -1012,6 +1012,12 @@ class ScalerGroup:
             "usual cause: a scheduler stepped with a value of each rank's own (ReduceLROnPlateau "
             "on the local loss) — step it with a value every rank agrees on (an all-reduced "
             "loss); or a setting changed on some ranks only"
+            + (
+                "; for what the param groups hold: optimizer.add_param_group called with other "
+                "parameters (or on some ranks only) — call it with the same ones on every rank"
+                if any(HELD in item for item in found)
+                else ""
+            )
         )
 
     def _first_parted_grad(self, st: AmpOptimizerState, group: dist.ProcessGroup | None) -> str:

@@ -1422,3 +1422,27 @@ def test_activation_checkpoint_wrappers_do_not_rename_the_checkpoint_or_lose_the
     again = consolidate(tmp_path / "again")
     for key in plain:
         assert torch.equal(plain[key], again[key]), key
+
+
+def test_a_group_added_after_wrap_and_not_added_again_before_load_is_named(tmp_path):
+    """The refusal said only "2 param group(s) in the checkpoint, 1 here" (an audit)."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        return (model, *distamp.wrap(model, opt, opt_level="O2", verbosity=0)[1:])
+
+    model, opt = make()
+    opt.add_param_group({"params": list(model[1].parameters())})
+    with distamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh, fresh_opt = make()
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 param group\(s\) in the checkpoint, 1 here.*"
+        r"must be added again, in the same order",
+    ):
+        distamp.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)

@@ -484,3 +484,36 @@ def test_unscale_of_another_optimizer_on_one_rank_only_is_named_on_every_rank():
     for message in run_ranks(_unscale_the_second_optimizer_on_rank_0, 2, timeout=90):
         assert message is not None and "the skip decision of the same optimizer" in message
         assert "found optimizers 0 to 1 deciding at once" in message
+
+
+def _added_apart(rank, world, level, kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **kwargs)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    model[1].requires_grad_(True)
+    head = model[1].weight if rank == 0 else model[1].bias  # each rank its own choice
+    opt.add_param_group({"params": [head]})
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # rebuilt after unfreezing
+    with distamp.scale_loss(ddp(torch.randn(4, 8)).float().square().mean(), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "level,kwargs", [("O0", {}), ("O1", {}), ("O2", {"shard_master_weights": False})]
+)
+def test_ranks_adding_different_parameters_are_refused_at_the_step(level, kwargs):
+    """Rank 0 added the head's weight, rank 1 its bias: at O0/O1 (no masters) each rank stepped
+    its own parameters and the replicas parted, silently (an audit; sharded masters refused it
+    at add_param_group, O2's replicated masters by the gradients they compare)."""
+    for message in run_ranks(_added_apart, 2, level, kwargs, timeout=120):
+        assert message is not None, level
+        assert "params held (count, elements, shapes hash)" in message, message
+        assert "add_param_group called with other parameters" in message, message

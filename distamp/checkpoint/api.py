@@ -757,7 +757,9 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         if len(entry["groups"]) != len(view.groups):
             raise CheckpointError(
                 f"optimizers[{o}]: {len(entry['groups'])} param group(s) in the checkpoint, "
-                f"{len(view.groups)} here"
+                f"{len(view.groups)} here: expected the optimizer as saved — groups added with "
+                "optimizer.add_param_group after wrap must be added again, in the same order, "
+                "before load_checkpoint"
             )
         _refuse_moved_between_groups(o, entry["groups"], view.groups)
         for g, (saved_group, gv) in enumerate(zip(entry["groups"], view.groups, strict=True)):

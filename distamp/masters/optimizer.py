@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from torch.optim.optimizer import required
 from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES, warn_from_caller
 from ..forensics import NonFiniteGradientError, NonFiniteReport
-from ..optstate import OptState
+from ..optstate import HELD, OptState
 from .base import grad_version, local_tensor
 from .nonfinite import nonfinite_flag
 from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
@@ -122,13 +123,18 @@ class AmpOptimizerState:
         self.in_step = False
         """Inside ``step()``: an optimizer nested in the wrapped one may step (see
         :class:`NestedStepGuard`)."""
+        self._held_cache: dict[tuple[int, int], list[float]] = {}
         self.interrupted = False
         """The last ``step()`` raised before the inner optimizer stepped (a step pre-hook: a
         KeyboardInterrupt, a user's check): see [Note: an interrupted step keeps its decision]."""
 
     def settings(self) -> list[dict[str, list[float]]]:
         """Every param group's numeric settings (lr, betas, weight_decay, momentum, ...) by key,
-        NaNs left out (one would never compare equal): what ranks must agree on."""
+        NaNs left out (one would never compare equal): what ranks must agree on. With replicated
+        masters also what each group holds (count, elements, a hash of the shapes): ranks that
+        added different parameters with ``add_param_group`` trained apart at O0/O1, silently
+        (an audit; sharded masters compare the added parameters at the add, and hold shards of
+        their own sizes per rank)."""
         opt = self.optimizer()
         out = []
         for group in opt.param_groups if opt is not None else []:
@@ -138,8 +144,25 @@ class AmpOptimizerState:
                 items = value if isinstance(value, (tuple, list)) else (value,)
                 floats = [float(v) for v in items if isinstance(v, (bool, int, float))]
                 numbers[key] = [v for v in floats if math.isfinite(v)]
+            if not self.masters.sharded:
+                numbers[HELD] = self._held(group["params"])
             out.append(numbers)
         return out
+
+    def _held(self, params: list[torch.Tensor]) -> list[float]:
+        """``[count, elements, shapes hash]`` of a param group's tensors (the last two modulo a
+        prime: small next to the settings, so that the fingerprint's sum keeps their
+        resolution), cached per list."""
+        key = (id(params), len(params))
+        cached = self._held_cache.get(key)
+        if cached is None:
+            shapes = zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
+            elements = sum(p.numel() for p in params)
+            cached = [float(len(params)), float(elements % 65521), float(shapes % 65521)]
+            if len(self._held_cache) > 64:  # lists replaced over and over: keep it small
+                self._held_cache.clear()
+            self._held_cache[key] = cached
+        return cached
 
     def hyperparameter_fingerprint(self) -> torch.Tensor:
         """``[h, -h]``: a hash of :meth:`settings`, for the skip decision's MAX all-reduce to

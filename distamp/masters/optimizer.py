@@ -124,6 +124,9 @@ class AmpOptimizerState:
         """Inside ``step()``: an optimizer nested in the wrapped one may step (see
         :class:`NestedStepGuard`)."""
         self._held_cache: dict[tuple[int, int], list[float]] = {}
+        self.inner_started = False
+        """The step's pre-hooks passed and the inner optimizer's step began (see
+        ``_step_and_copy``)."""
         self.interrupted = False
         """The last ``step()`` raised before the inner optimizer stepped (a step pre-hook: a
         KeyboardInterrupt, a user's check): see [Note: an interrupted step keeps its decision]."""
@@ -356,9 +359,11 @@ class AmpOptimizer(torch.optim.Optimizer):
                 try:
                     _step_and_copy(self, st)
                 except BaseException:
-                    if not st.inner_stepped:  # (a step pre-hook raised: no step was taken)
+                    if not st.inner_stepped:  # (no step was taken, or not all of it)
                         st.steps -= not placeholder
-                        interrupted = True
+                        # a step pre-hook raised: nothing stepped (the inner step raising
+                        # midway may have moved some weights: reset, as before)
+                        interrupted = not st.inner_started
                     raise
         finally:
             st.in_step = False
@@ -1281,19 +1286,26 @@ def _step_and_copy(optimizer: AmpOptimizer, st: AmpOptimizerState) -> None:
     """The inner optimizer's step over the masters, then the updated weights into the model,
     with the step hooks around both (see [Note: step hooks see the new weights] in rounds.py)."""
     st.inner_stepped = False  # set once the inner step returned (a pre-hook may raise first)
+    st.inner_started = False  # set once the pre-hooks passed and the inner step began
+
+    def started() -> None:
+        st.inner_started = True
+
     in_rounds = round_step(optimizer, st.masters)
     if in_rounds is not None:  # see [Note: the step in rounds]
-        step_in_rounds(optimizer, st.masters, in_rounds)  # type: ignore[arg-type]
+        step_in_rounds(optimizer, st.masters, in_rounds, started)  # type: ignore[arg-type]
         st.inner_stepped = True
         return
     step = unhooked_step(optimizer)
     if step is None:  # a torch that keeps its hooks elsewhere: its own runner fires them
+        started()  # (no telling its hooks from its step: an exception resets, as before)
         super(AmpOptimizer, optimizer).step()
         st.inner_stepped = True
         st.masters.copy_to_model(after_step=True)
         return
 
     def step_then_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        started()
         step(*args, **kwargs)
         st.inner_stepped = True
         st.masters.copy_to_model(after_step=True)

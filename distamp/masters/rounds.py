@@ -117,7 +117,10 @@ def with_step_hooks(
 
 
 def step_in_rounds(
-    optimizer: torch.optim.Optimizer, masters: ShardedMasterParams, step: Callable[..., Any]
+    optimizer: torch.optim.Optimizer,
+    masters: ShardedMasterParams,
+    step: Callable[..., Any],
+    started: Callable[[], None] = lambda: None,
 ) -> None:
     """Collective: step the shard round by round, starting each round's all-gather right after
     it (see [Note: the step in rounds]); ``step`` is the class's unhooked step."""
@@ -131,6 +134,7 @@ def step_in_rounds(
             per_round[min(where.get(id(p), n - 1), n - 1)][i].append(p)
 
     def in_rounds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        started()  # the pre-hooks passed
         masters.begin_gather(after_step=True)
         try:
             for j in range(n):

@@ -136,6 +136,8 @@ def _interrupted_run(level, after):
         opt.zero_grad()
     elif after == "zero_grad":
         opt.zero_grad()
+    elif after == "zero in place":  # the model's, in place: also drops the batch
+        model.zero_grad(set_to_none=False)
     else:
         try:
             backward(batches[1])
@@ -164,6 +166,10 @@ def test_an_interrupted_step_keeps_its_decision(level):
     assert stats.steps == clean_stats.steps == 2
     dropped, _, _ = _interrupted_run(level, "zero_grad")
     assert not torch.equal(dropped[0], clean[0])
+    # zeroed in place (was refused at every later block, an audit): the batch dropped as well
+    zeroed, _, _ = _interrupted_run(level, "zero in place")
+    for a, b in zip(dropped, zeroed, strict=True):
+        assert torch.equal(a, b)
     stepped_after_refusal, refused, _ = _interrupted_run(level, "backward")
     assert refused is not None and "raised before it stepped" in refused, refused
     for a, b in zip(clean, stepped_after_refusal, strict=True):

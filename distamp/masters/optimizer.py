@@ -127,6 +127,8 @@ class AmpOptimizerState:
         self.inner_started = False
         """The step's pre-hooks passed and the inner optimizer's step began (see
         ``_step_and_copy``)."""
+        self.interrupted_grads: list[tuple[int, int] | None] | None = None
+        """The gradients' identities and versions when the step was interrupted."""
         self.interrupted = False
         """The last ``step()`` raised before the inner optimizer stepped (a step pre-hook: a
         KeyboardInterrupt, a user's check): see [Note: an interrupted step keeps its decision]."""
@@ -188,6 +190,7 @@ class AmpOptimizerState:
         """Back to READY: after a step, or when the gradients are zeroed."""
         self.state = OptState.READY
         self.interrupted = False
+        self.interrupted_grads = None
         self.unlisted_loss = None
         self.mixed_scales = None
         self.adopted_grads = None
@@ -375,6 +378,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 # after unscale_: step() again steps them, zero_grad() drops them, and a
                 # backward before either is refused, saying so.
                 st.interrupted = True
+                st.interrupted_grads = [grad_version(p) for p in st.masters.model_params]
                 st.last_step_skipped = False
             else:
                 st.reset()
@@ -1086,20 +1090,24 @@ def drop_cleared_gradients(st: AmpOptimizerState) -> None:
     if st.state is OptState.READY or not st.had_grads:
         return  # (an optimizer whose parameters got no gradient this iteration: nothing cleared)
     params = st.masters.model_params
-    if any(p.grad is not None for p in params) and not _zeroed_since_adopted(st):
+    if any(p.grad is not None for p in params) and not (
+        _zeroed_since(st, st.adopted_grads) or _zeroed_since(st, st.interrupted_grads)
+    ):
         return
     st.group.forget(st)
     st.reset()  # releases the masters' and shards' gradients, as zero_grad does
 
 
-def _zeroed_since_adopted(st: AmpOptimizerState) -> bool:
-    """See :func:`drop_cleared_gradients`: the gradients a block that did not list ``st`` left
-    have all been written since, and every one is zero now (the same on every rank: each zeroes
-    its own)."""
-    if st.adopted_grads is None:
+def _zeroed_since(st: AmpOptimizerState, versions: list[tuple[int, int] | None] | None) -> bool:
+    """See :func:`drop_cleared_gradients`: the gradients recorded in ``versions`` — the ones a
+    block that did not list ``st`` left, or an interrupted step's (see [Note: an interrupted
+    step keeps its decision]: ``model.zero_grad(set_to_none=False)`` after it refused every
+    later block, an audit) — have all been written since, and every one is zero now (the same
+    on every rank: each zeroes its own)."""
+    if versions is None:
         return False
     params = st.masters.model_params
-    if [grad_version(p) for p in params] == st.adopted_grads:
+    if [grad_version(p) for p in params] == versions:
         return False
     with torch.no_grad():
         return all(p.grad is None or not bool(local_tensor(p.grad).any()) for p in params)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from asserts import backward, step_error
 from dist_harness import run_ranks
 from models import GradProbe, data, mlp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -337,12 +338,10 @@ def _unfrozen_without_rebuilding_ddp(rank, world, level, hooked):
             model[0].requires_grad_(True)
             opt.add_param_group({"params": list(model[0].parameters())})
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-        with distamp.scale_loss(((ddp(x).float() - y) ** 2).mean(), opt) as scaled:
-            scaled.backward()
-        try:
-            opt.step()
-        except RuntimeError as err:
-            return step, str(err)
+        backward(((ddp(x).float() - y) ** 2).mean(), opt)
+        refused = step_error(opt)
+        if refused is not None:
+            return step, refused
         opt.zero_grad()
     weights = [torch.zeros_like(model[0].weight) for _ in range(world)]
     dist.all_gather(weights, model[0].weight.detach())

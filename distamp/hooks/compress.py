@@ -119,12 +119,10 @@ class CompressState:
         first step's buckets stayed until the second backward re-planned, raising the peak of
         the second forward by as much (an audit of the sharded row's peak RSS)."""
         with self._lock:
+            keep = self._backwards > 1
             for view in views:
                 whole = self._lent.pop(id(view))
-                first = self._backwards <= 1
-                if not first and whole.numel() <= 2 * max(
-                    view.numel() * view.element_size(), GRAIN
-                ):
+                if keep and whole.numel() <= 2 * max(view.numel() * view.element_size(), GRAIN):
                     self._free.append(whole)
             while len(self._free) > 2 * MAX_IN_FLIGHT:
                 self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))

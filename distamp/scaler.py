@@ -836,7 +836,11 @@ class ScalerGroup:
                 self._refuse_parted_settings(st, values[at], values[at + 1])
             if replicas is not None:
                 # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
-                self._refuse_parted_replicas(st, values[-4:], check_grads=not skipping, api=api)
+                # A rank about to refuse the step does not compare them: under the reduce-
+                # scatter hook a second step() found each rank's own unreduced ones and was
+                # refused as "gradients different", its real cause unsaid (an audit).
+                check = not skipping and not st.refusing
+                self._refuse_parted_replicas(st, values[-4:], check_grads=check, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             report = read_evidence(
                 evidence,

@@ -132,6 +132,9 @@ class AmpOptimizerState:
         self.interrupted = False
         """The last ``step()`` raised before the inner optimizer stepped (a step pre-hook: a
         KeyboardInterrupt, a user's check): see [Note: an interrupted step keeps its decision]."""
+        self.refusing = False
+        """This rank takes part in the skip decision only to raise with its peers (see
+        ``_decide_with_no_blocks``): its gradients are not compared between ranks."""
 
     def settings(self) -> list[dict[str, list[float]]]:
         """Every param group's numeric settings (lr, betas, weight_decay, momentum, ...) by key,
@@ -1123,9 +1126,11 @@ def _decide_with_no_blocks(st: AmpOptimizerState) -> None:
     if st.group.world == 1:
         return
     st.grad_scale = 1.0
+    st.refusing = True
     try:
         st.group.unscale_and_decide(st)
     finally:
+        st.refusing = False
         st.reset()
 
 

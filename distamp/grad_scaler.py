@@ -34,15 +34,12 @@ from .forensics import (
 )
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import inner_optimizer
-from .scaler import LossScaler
+from .scaler import MIN_SCALE, LossScaler
 
 EVIDENCE_COUNT = 1 << 30
 """The parameter count the evidence is coded with: the same on every rank (ranks may hold
 different optimizers: a pipeline's stages), far above any optimizer's, exact in float64."""
 
-MIN_SCALE = 2.0**-100
-"""The scale's floor: ``1 / scale`` multiplies the gradients in FP32, so it must stay finite
-(2**128 is not). torch's scaler has none: its scale halves forever on a persistent NaN."""
 
 
 class _Stage(enum.Enum):

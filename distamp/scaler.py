@@ -46,6 +46,12 @@ logger = logging.getLogger("distamp")
 
 INIT_SCALE = 2.0**16
 FP32_MAX = torch.finfo(torch.float32).max
+MIN_SCALE = 2.0**-100
+"""The dynamic scale's floor when ``min_loss_scale`` sets none (apex's default): ``1 / scale``
+multiplies the gradients in FP32, so it must stay finite (2**128 is not). Without it a skip now
+and then (a bad batch every few steps: never 2000 clean steps in a row to grow back) halved the
+scale to 2**-128 and the step crashed in torch ("value cannot be converted to type float
+without overflow") instead of raising :class:`NonFiniteGradientError` (an audit)."""
 """Largest scale a loss may be multiplied by (the scaled loss is FP32)."""
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
@@ -151,9 +157,13 @@ class LossScaler:
     def at_floor(self) -> bool:
         """True when a dynamic scale cannot back off any further (a static scale has no floor:
         apex ignores ``min_loss_scale`` without dynamic scaling)."""
-        return (
-            self.dynamic and self.min_loss_scale is not None and self.scale <= self.min_loss_scale
-        )
+        return self.dynamic and self.scale <= self.floor
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale a dynamic scaler backs off to: ``min_loss_scale``, never below
+        :data:`MIN_SCALE`."""
+        return max(self.min_loss_scale or 0.0, MIN_SCALE)
 
     def rounded(self, scale: float) -> float:
         """A new scale as this scaler keeps it: a Python float, as apex's (see
@@ -173,9 +183,9 @@ class LossScaler:
             # row are tolerated; from then on every overflow backs off, until a clean step.
             self.hysteresis_left = max(0, self.hysteresis_left - 1)
             if self.hysteresis_left == 0:
-                backed_off = self.scale * self.backoff_factor
-                if self.min_loss_scale is not None:
-                    backed_off = max(backed_off, self.min_loss_scale)
+                # never below the floor; a scale already under it (an init_scale below
+                # MIN_SCALE) stays where it is
+                backed_off = max(self.scale * self.backoff_factor, min(self.floor, self.scale))
                 self.scale = self.rounded(backed_off)
             return
         self.consecutive_skips = 0
@@ -1212,7 +1222,7 @@ class ScalerGroup:
                 reason = (
                     f"{scaler.consecutive_skips} consecutive optimizer steps were skipped"
                     if scaler.consecutive_skips >= limit
-                    else f"a step was skipped at the minimum loss scale {scaler.min_loss_scale:g}"
+                    else f"a step was skipped at the minimum loss scale {scaler.floor:g}"
                 )
                 if not scaler.dynamic:
                     reason += f" with a static loss scale of {scaler.scale:g}"

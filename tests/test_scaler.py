@@ -66,6 +66,38 @@ def test_floor_holds_and_marks_the_skip():
     assert (s.scale, s.skipped_at_floor) == (2.0**15, True)
 
 
+def test_without_min_loss_scale_the_floor_keeps_the_inverse_finite():
+    """apex's default min_loss_scale=None: the scale halved past 2**-128, where 1/scale is no
+    FP32 number, and the step crashed inside torch (an audit)."""
+    s = LossScaler()
+    for _ in range(116):  # 2**16 -> 2**-100
+        s.update(True)
+    assert (s.scale, s.skipped_at_floor) == (2.0**-100, False)
+    s.update(True)
+    assert (s.scale, s.skipped_at_floor) == (2.0**-100, True)
+    assert math.isfinite(torch.tensor(1.0 / s.scale, dtype=torch.float32).item())
+
+
+def test_a_bad_batch_every_few_steps_ends_in_the_clear_error_not_a_crash():
+    """The skips never consecutive (max_consecutive_skips never fires), never 2000 clean steps
+    to grow back: the default settings walked the scale down to 2**-128 in 720 steps, then
+    torch raised "value cannot be converted to type float without overflow" (an audit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+    x = torch.randn(8, 4)
+    with pytest.raises(distamp.NonFiniteGradientError, match=r"minimum loss scale 7\.88861e-31"):
+        for step in range(300):
+            loss = model(x.half()).float().pow(2).mean()
+            with distamp.scale_loss(loss * float("inf") if step % 2 else loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    stats = distamp.stats(opt)
+    assert stats.loss_scales[0] == 2.0**-100 and stats.skipped_steps == 117, (step, stats)
+
+
 def test_a_static_scale_has_no_floor():
     """apex: "If dynamic loss scaling is not used, min_loss_scale is ignored." A static scale at or
     under min_loss_scale made its first skipped step a NonFiniteGradientError (an audit)."""

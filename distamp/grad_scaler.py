@@ -41,7 +41,6 @@ EVIDENCE_COUNT = 1 << 30
 different optimizers: a pipeline's stages), far above any optimizer's, exact in float64."""
 
 
-
 class _Stage(enum.Enum):
     READY = 0
     UNSCALED = 1
@@ -130,6 +129,11 @@ class GradScaler:
         )
         self._group = process_group
         self._per_optimizer: dict[int, tuple[_Stage, bool]] = {}
+        self._order: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Each optimizer's place in the order this scaler first stepped them: the same on every
+        rank that steps the same optimizers in the same order (see :meth:`unscale_`)."""
         self._max_consecutive_skips = max_consecutive_skips
         self._limits: list[int] = []  # of the wrapped optimizers stepped this iteration
         self._reports: list[NonFiniteReport] = []  # of this iteration's skips
@@ -233,19 +237,42 @@ class GradScaler:
         # [found inf, this rank has no gradient, which gradient]: one MAX all-reduce decides
         # all three on every rank (see [Note: the evidence rides with the decision]).
         listed = float(sum(len(g["params"]) for g in optimizer.param_groups))
-        sizes = torch.tensor([listed, -listed], dtype=torch.float64, device=device)
+        # [Note: which optimizer each rank decides] Each rank's optimizer in this collective, as
+        # +n/-n of the order this scaler first stepped it: rank 0 alone unscaling its second
+        # optimizer (to log its norm) paired that decision with the other ranks' first
+        # optimizer's, and the ranks skipped different optimizers, their weights parting
+        # silently (an audit). The order of the steps, not the parameters, tells them apart:
+        # ranks holding different optimizers (a pipeline's stages, FSDP's shards) step theirs in
+        # the same order, and an early unscale_ of the optimizer every rank steps next (one not
+        # stepped yet takes the next place) pairs with it. The first iteration of a script that
+        # unscales another one early is refused at its next collective.
+        order = float(self._order.get(optimizer, len(self._order)))
+        sizes = torch.tensor([order, -order, listed, -listed], dtype=torch.float64, device=device)
         flags = torch.cat(
             [
                 flag.double(),
                 torch.full_like(flag, float(not grads)).double(),
                 evidence.to(device),
-                sizes,  # MAX and -MIN of the parameter counts: equal on every rank?
+                sizes,  # MAX and -MIN of the order and the parameter counts: equal everywhere?
             ]
         )
         if group is not None:
             all_reduce_(flags, dist.ReduceOp.MAX, group)
         values = flags.tolist()
         found_inf, none = values[0] > 0, values[1] > 0
+        first, last = -values[-3], values[-4]
+        if first != last:
+            raise RuntimeError(
+                "GradScaler.unscale_: expected every rank to decide the same optimizer in this "
+                f"collective, found the optimizer this scaler stepped #{int(first) + 1} on some "
+                "ranks "
+                f"and #{int(last) + 1} on others (this rank: {type(optimizer).__name__} "
+                f"#{int(order) + 1}). A rank that calls scaler.unscale_(optimizer) on an "
+                "optimizer the others unscale later (at their scaler.step) pairs its skip "
+                "decision with another optimizer's, and the ranks would skip different "
+                "optimizers. Call unscale_ on every rank, or on none, for each optimizer, in "
+                "the same order"
+            )
         if none:
             # torch raises at step() ("No inf checks were recorded for this optimizer"); every
             # rank raises here together instead of one waiting in the next collective.
@@ -290,6 +317,7 @@ class GradScaler:
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.STEPPED:
             raise RuntimeError("GradScaler.step() has already been called since the last update()")
+        self._order.setdefault(optimizer, len(self._order))
         if stage is _Stage.READY:
             self.unscale_(optimizer)
         _, found_inf = self._per_optimizer[id(optimizer)]
@@ -436,7 +464,13 @@ class GradScaler:
                 "GradScaler: a GradScaler holding a process_group cannot be pickled (a process "
                 "group belongs to one process); pickle state_dict() instead"
             )
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_order"] = None  # the optimizers stay here; a copy starts its own order
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._order = weakref.WeakKeyDictionary()
 
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is not None:

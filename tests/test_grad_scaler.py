@@ -329,6 +329,52 @@ def test_ranks_whose_optimizers_hold_other_parameter_counts_raise_together():
     assert first is not None and "parameter #4 of rank 1's optimizer" in first, first
 
 
+def _one_rank_unscales_an_optimizer_early(rank, world, which):
+    """Two same-shaped models, one GradScaler; rank 0 alone unscales one optimizer to log its
+    norm, an inf in the second optimizer's gradients on rank 1 only."""
+    m0, m1 = mlp(seed=0), mlp(seed=1)
+    o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.05)
+    d0, d1 = DDP(m0), DDP(m1)
+    scaler = distamp.GradScaler(init_scale=1024.0)
+    try:
+        for x, y in data(2, 8 * world):
+            x, y = x[rank::world], y[rank::world]
+            scaler.scale(F.mse_loss(d0(x), y)).backward()
+            scaler.scale(F.mse_loss(d1(x), y)).backward()
+            if rank == 1:
+                m1[0].weight.grad[0, 0] = float("inf")
+            if rank == 0:
+                scaler.unscale_((o0, o1)[which])
+            scaler.step(o0)
+            scaler.step(o1)
+            scaler.update()
+            o0.zero_grad()
+            o1.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return [p.detach().clone() for p in (*m0.parameters(), *m1.parameters())]
+
+
+def test_a_rank_unscaling_another_optimizer_than_its_peers_is_refused_on_every_rank():
+    """Rank 0's early unscale_ of the second optimizer paired its decision with rank 1's first
+    optimizer: rank 0 skipped o0 and stepped o1, rank 1 the reverse, and the ranks' weights
+    parted silently (an audit)."""
+    for message in run_ranks(_one_rank_unscales_an_optimizer_early, 2, 1, timeout=120):
+        assert isinstance(message, str), "expected a refusal"
+        assert "expected every rank to decide the same optimizer" in message, message
+        assert "stepped #1 on some ranks and #2 on others" in message, message
+
+
+def test_a_rank_unscaling_the_first_optimizer_alone_is_fine():
+    """The same early unscale_ of the optimizer every rank decides first pairs with it: the
+    ranks skip the same (the second) optimizer and stay identical."""
+    first, second = run_ranks(_one_rank_unscales_an_optimizer_early, 2, 0, timeout=120)
+    assert not isinstance(first, str) and not isinstance(second, str), (first, second)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_scale_stops_at_a_floor_whose_inverse_is_finite():
     """Skips between clean iterations (no run of max_consecutive_skips) halved the scale past
     2**-127, where 1 / scale overflows FP32: the skip at the floor raises instead."""

@@ -405,7 +405,9 @@ def _step_twice_on_ranks(rank, world, hook):
     return _step_twice("O2", hook, rank, world)
 
 
-@pytest.mark.parametrize("hook,world", [("all-reduce", 2), ("reduce-scatter", 2), ("reduce-scatter", 3)])
+@pytest.mark.parametrize(
+    "hook,world", [("all-reduce", 2), ("reduce-scatter", 2), ("reduce-scatter", 3)]
+)
 def test_a_second_step_is_refused_on_every_rank_with_hooks(hook, world):
     assert run_ranks(_step_twice_on_ranks, world, hook) == [2] * world
 

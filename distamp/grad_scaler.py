@@ -33,7 +33,7 @@ from .forensics import (
     read_evidence,
 )
 from .masters.nonfinite import check_and_unscale_
-from .masters.optimizer import inner_optimizer
+from .masters.optimizer import inner_optimizer, refuse_external_scaler
 from .scaler import MIN_SCALE, LossScaler
 
 EVIDENCE_COUNT = 1 << 30
@@ -535,29 +535,5 @@ def _refuse_master_weights(optimizer: torch.optim.Optimizer) -> None:
     own step, so the scaler found none and said "run backward first" after a backward. Raised on
     every rank alike (wrap made every rank's optimizer the same), before any collective."""
     st = _distamp_state(optimizer)
-    if st is not None and st.masters.fsdp:
-        # (an audit: the message below, about distamp.wrap and shard_master_weights, was false
-        # for a model that never went through wrap)
-        raise RuntimeError(
-            f"GradScaler: this optimizer was made by distamp.fsdp.fully_shard (opt_level "
-            f"{st.group.props.opt_level}), which scales its losses and decides the skip itself "
-            "over FSDP's gradient shards; distamp.GradScaler drives the optimizers of "
-            "torch.autocast scripts (torch's own fully_shard included) and of distamp.wrap at "
-            "O0/O1/O3 with replicated weights. Expected "
-            "`with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
-            "`optimizer.step()` in place of the GradScaler calls"
-        )
-    if st is not None and (st.group.props.master_weights or st.masters.sharded):
-        held = (
-            "this rank's shard of the FP32 weights (shard_master_weights=True)"
-            if st.masters.sharded and not st.group.props.master_weights
-            else "FP32 master weights"
-        )
-        raise RuntimeError(
-            f"GradScaler: this optimizer was wrapped by distamp.wrap (opt_level "
-            f"{st.group.props.opt_level}): its param_groups hold {held}, which get "
-            "their gradients inside optimizer.step(), and distamp scales its losses itself. "
-            "Expected `with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
-            "`optimizer.step()` in place of the GradScaler calls (or GradScaler with an unwrapped "
-            "optimizer under torch.autocast)"
-        )
+    if st is not None:
+        refuse_external_scaler(st, "GradScaler")

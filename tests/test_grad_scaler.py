@@ -141,6 +141,66 @@ def test_a_wrapped_o2_optimizer_with_a_grad_scaler_says_what_to_write(level):
         scaler.update()
 
 
+def _torch_scaler_on_masters(rank, world, kwargs):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, verbosity=0, **kwargs)
+    train = DDP(model) if world > 1 else model
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = next(iter(data(1, 4, seed=rank)))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(F.mse_loss(train(x.to(next(model.parameters()).dtype)).float(), y)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not "taken as unscaled (scale 1.0)"
+        with pytest.raises(RuntimeError) as caught:
+            scaler.step(opt)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    return str(caught.value), unchanged, hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"opt_level": "O2", "half_dtype": torch.float16},
+        {"opt_level": "O2", "half_dtype": torch.bfloat16},
+        {"opt_level": "O1", "shard_master_weights": True},
+    ],
+)
+@pytest.mark.parametrize("world", [1, 2])
+def test_torch_grad_scaler_on_a_wrapped_optimizer_with_masters_is_refused_by_name(kwargs, world):
+    """A half-migrated torch.amp script (wrap O2 added, torch's GradScaler kept): torch unscaled
+    the masters (no gradients yet), distamp's step took the model's scaled half gradients as
+    unscaled, a 1024x update after one warning (an audit); sharded O1 met torch's "No inf checks
+    were recorded". Now refused by name before anything changes, on every rank."""
+    for message, unchanged, left in run_ranks(_torch_scaler_on_masters, world, kwargs):
+        assert message.startswith("torch.amp.GradScaler: this optimizer was wrapped by distamp")
+        assert "distamp.scale_loss(loss, optimizer)" in message, message
+        assert unchanged and not left
+
+
+def test_torch_grad_scaler_on_a_wrapped_o1_optimizer_still_steps_fused_or_not():
+    """Without masters torch's scaler unscales the model's own FP32 gradients, as before; a fused
+    optimizer keeps its own _step_supports_amp_scaling (torch hands it grad_scale/found_inf)."""
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = mlp()
+        ref = mlp()
+        ref.load_state_dict(model.state_dict())
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1, fused=fused)
+        model, opt = distamp.wrap(model, opt, opt_level="O0", verbosity=0)
+        assert opt._step_supports_amp_scaling is fused
+        for net, o in ((model, opt), (ref, ref_opt)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            for x, y in data(2, 4):
+                scaler.scale(F.mse_loss(net(x), y)).backward()
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(a, b), fused
+
+
 def test_a_wrapped_o1_optimizer_driven_by_distamp_grad_scaler_reports_its_skips_and_scale():
     """An audit (nanoGPT migrated with wrap O1 and distamp.GradScaler): step() warned "without
     distamp.scale_loss ... use distamp.GradScaler", and distamp.stats missed the scaler's skip

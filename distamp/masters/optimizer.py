@@ -281,6 +281,29 @@ class AmpOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.__dict__["state"] = value
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """[Note: torch's GradScaler on masters] True where the optimizer steps FP32 masters (O2,
+        sharded, distamp.fsdp): torch.amp.GradScaler then leaves ``unscale_`` to ``step()`` and
+        hands it ``grad_scale``/``found_inf``, so ``step()`` sees the scaler and refuses it by
+        name. Kept, torch's scaler unscaled what param_groups hold — masters with no gradient
+        yet — and distamp's step took the model's gradients, still scaled, as unscaled: an
+        audit's O2 update was 1024x too large, after one warning. Elsewhere the inner class's
+        own value (a fused Adam's True)."""
+        st = self.__dict__.get("_distamp")
+        if st is not None and holds_masters(st):
+            return True
+        if "_step_supports_amp_scaling" in self.__dict__:
+            return bool(self.__dict__["_step_supports_amp_scaling"])
+        for klass in type(self).__mro__:
+            if klass is not AmpOptimizer and "_step_supports_amp_scaling" in vars(klass):
+                return bool(vars(klass)["_step_supports_amp_scaling"])
+        return False
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_step_supports_amp_scaling"] = value
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Unscale, take the global skip decision, step the FP32 masters, refresh the model weights.
 
@@ -288,6 +311,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         found-inf flags, none when another optimizer of the same losses already decided).
         """
         loss = None
+        if "found_inf" in self.__dict__ and holds_masters(self._distamp):
+            # torch.amp.GradScaler.step set them (see [Note: torch's GradScaler on masters]);
+            # refused on every rank alike before any collective
+            self.__dict__.pop("found_inf")
+            self.__dict__.pop("grad_scale", None)
+            refuse_external_scaler(self._distamp, "torch.amp.GradScaler")
         if closure is not None:
             # torch.optim's contract: call it once with grad enabled, step, return its loss.
             # Lightning steps every optimizer this way (a no-op closure under manual
@@ -629,6 +658,44 @@ def _warn_lightning_clip_over_masters(closure: Any, st: AmpOptimizerState) -> No
         "torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val) (README, 'Inside "
         "Lightning'), and gradient_clip_val kept for it"
     )
+
+
+def holds_masters(st: AmpOptimizerState) -> bool:
+    """The optimizer's param_groups hold FP32 masters or shards that get their gradients only
+    inside ``step()`` (O2, sharded masters, distamp.fsdp): a GradScaler's ``unscale_`` cannot
+    reach the gradients it steps."""
+    return st.masters.fsdp or st.group.props.master_weights or st.masters.sharded
+
+
+def refuse_external_scaler(st: AmpOptimizerState, scaler: str) -> None:
+    """Raise when ``scaler`` (torch's or distamp's GradScaler) drives an optimizer that
+    :func:`holds_masters`: the same on every rank (wrap made every rank's optimizer alike)."""
+    if st.masters.fsdp:
+        # (an audit: the message below, about distamp.wrap and shard_master_weights, was false
+        # for a model that never went through wrap)
+        raise RuntimeError(
+            f"{scaler}: this optimizer was made by distamp.fsdp.fully_shard (opt_level "
+            f"{st.group.props.opt_level}), which scales its losses and decides the skip itself "
+            "over FSDP's gradient shards; distamp.GradScaler drives the optimizers of "
+            "torch.autocast scripts (torch's own fully_shard included) and of distamp.wrap at "
+            "O0/O1/O3 with replicated weights. Expected "
+            "`with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
+            "`optimizer.step()` in place of the GradScaler calls"
+        )
+    if holds_masters(st):
+        held = (
+            "this rank's shard of the FP32 weights (shard_master_weights=True)"
+            if st.masters.sharded and not st.group.props.master_weights
+            else "FP32 master weights"
+        )
+        raise RuntimeError(
+            f"{scaler}: this optimizer was wrapped by distamp.wrap (opt_level "
+            f"{st.group.props.opt_level}): its param_groups hold {held}, which get "
+            "their gradients inside optimizer.step(), and distamp scales its losses itself. "
+            "Expected `with distamp.scale_loss(loss, optimizer) as s: s.backward()` and "
+            "`optimizer.step()` in place of the GradScaler calls (or GradScaler with an unwrapped "
+            "optimizer under torch.autocast)"
+        )
 
 
 def _steps_the_models_own_params(st: AmpOptimizerState) -> bool:

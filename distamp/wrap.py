@@ -198,7 +198,9 @@ def wrap(
             warn_from_caller(
                 f"distamp.wrap: sharded masters keep the weights as contiguous views of one flat "
                 f"buffer, so {strided[:3]}{' and others' if len(strided) > 3 else ''} lose their "
-                "memory format (channels_last); shard_master_weights=False keeps it",
+                "memory format (channels_last): with channels_last inputs DDP then warns "
+                '"Grad strides do not match bucket view strides" (a copy per gradient, values '
+                "unchanged); shard_master_weights=False keeps the format",
             )
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group, fp32_weights=not props.master_weights)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -125,7 +126,7 @@ class GradScaler:
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             max_loss_scale=max(max_scale, float(init_scale)),
-            min_loss_scale=min(MIN_SCALE, float(init_scale)),
+            min_loss_scale=MIN_SCALE,
         )
         self._group = process_group
         self._per_optimizer: dict[int, tuple[_Stage, bool]] = {}
@@ -134,6 +135,10 @@ class GradScaler:
         )
         """Each optimizer's place in the order this scaler first stepped them: the same on every
         rank that steps the same optimizers in the same order (see :meth:`unscale_`)."""
+        self._stepped = 0
+        """How many optimizers this scaler has stepped: the next one's place. Counted, not the
+        dictionary's length, which shrinks as optimizers are freed (at other times on other
+        ranks: an audit's replaced optimizer took a live one's place)."""
         self._max_consecutive_skips = max_consecutive_skips
         self._limits: list[int] = []  # of the wrapped optimizers stepped this iteration
         self._reports: list[NonFiniteReport] = []  # of this iteration's skips
@@ -246,7 +251,7 @@ class GradScaler:
         # the same order, and an early unscale_ of the optimizer every rank steps next (one not
         # stepped yet takes the next place) pairs with it. The first iteration of a script that
         # unscales another one early is refused at its next collective.
-        order = float(self._order.get(optimizer, len(self._order)))
+        order = float(self._order.get(optimizer, self._stepped))
         sizes = torch.tensor([order, -order, listed, -listed], dtype=torch.float64, device=device)
         flags = torch.cat(
             [
@@ -317,7 +322,9 @@ class GradScaler:
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.STEPPED:
             raise RuntimeError("GradScaler.step() has already been called since the last update()")
-        self._order.setdefault(optimizer, len(self._order))
+        if optimizer not in self._order:
+            self._order[optimizer] = self._stepped
+            self._stepped += 1
         if stage is _Stage.READY:
             self.unscale_(optimizer)
         _, found_inf = self._per_optimizer[id(optimizer)]
@@ -348,7 +355,7 @@ class GradScaler:
                 raise ValueError(
                     f"GradScaler.update: new_scale must be positive finite, got {value}"
                 )
-            self._scaler.scale = _fp32(value)
+            self._scaler.scale = _fp32(_at_least_the_floor(value, "GradScaler.update: new_scale"))
         elif not self._per_optimizer:
             raise AssertionError(
                 "No inf checks were recorded prior to update: expected scaler.step(optimizer) "
@@ -448,7 +455,7 @@ class GradScaler:
                         f"{high:g}){' (an int)' if key == 'growth_interval' else ''}, got {value:g}"
                     )
                 settings[key] = value
-        self._scaler.scale = _fp32(scale)
+        self._scaler.scale = _fp32(_at_least_the_floor(scale, "GradScaler.load_state_dict: scale"))
         self._scaler.clean_steps = int(tracker)
         for key, value in settings.items():
             setattr(self._scaler, key, int(value) if key == "growth_interval" else value)
@@ -470,7 +477,7 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._order = weakref.WeakKeyDictionary()
+        self._order, self._stepped = weakref.WeakKeyDictionary(), 0
 
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is not None:
@@ -478,6 +485,20 @@ class GradScaler:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
+
+
+def _at_least_the_floor(scale: float, what: str) -> float:
+    """A scale set from outside, raised to :data:`MIN_SCALE` with a warning: below it ``1 /
+    scale`` is no FP32 number, and the next step crashed inside torch (an audit: a state dict
+    of torch's scaler saved at 2**-130)."""
+    if scale >= MIN_SCALE:
+        return scale
+    warnings.warn(
+        f"{what} {scale:g} is below the scale's floor 2**-100 (1 / scale must stay a finite "
+        f"FP32 number): using {MIN_SCALE:g}",
+        stacklevel=3,
+    )
+    return MIN_SCALE
 
 
 def _fp32(value: float) -> float:

@@ -46,13 +46,13 @@ logger = logging.getLogger("distamp")
 
 INIT_SCALE = 2.0**16
 FP32_MAX = torch.finfo(torch.float32).max
+"""Largest scale a loss may be multiplied by (the scaled loss is FP32)."""
 MIN_SCALE = 2.0**-100
 """The dynamic scale's floor when ``min_loss_scale`` sets none (apex's default): ``1 / scale``
 multiplies the gradients in FP32, so it must stay finite (2**128 is not). Without it a skip now
 and then (a bad batch every few steps: never 2000 clean steps in a row to grow back) halved the
 scale to 2**-128 and the step crashed in torch ("value cannot be converted to type float
 without overflow") instead of raising :class:`NonFiniteGradientError` (an audit)."""
-"""Largest scale a loss may be multiplied by (the scaled loss is FP32)."""
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
@@ -133,8 +133,8 @@ class LossScaler:
             # apex: the default start (2**16) is capped by max_loss_scale; an explicit
             # init_scale above it was refused above
             scale = min(INIT_SCALE if init_scale is None else init_scale, max_loss_scale)
-            if min_loss_scale is not None:
-                scale = max(scale, min_loss_scale)
+            # never below the floor: 1 / scale must stay a finite FP32 number
+            scale = max(scale, min_loss_scale or 0.0, MIN_SCALE)
         else:
             scale = float(loss_scale)
         self.scale: float = scale
@@ -183,9 +183,7 @@ class LossScaler:
             # row are tolerated; from then on every overflow backs off, until a clean step.
             self.hysteresis_left = max(0, self.hysteresis_left - 1)
             if self.hysteresis_left == 0:
-                # never below the floor; a scale already under it (an init_scale below
-                # MIN_SCALE) stays where it is
-                backed_off = max(self.scale * self.backoff_factor, min(self.floor, self.scale))
+                backed_off = max(self.scale * self.backoff_factor, self.floor)
                 self.scale = self.rounded(backed_off)
             return
         self.consecutive_skips = 0
@@ -244,9 +242,16 @@ class LossScaler:
         """Take a loss scale from outside (a checkpoint, apex's ``amp.load_state_dict``), brought
         inside this run's settings with a warning naming both: ``source`` says whose scale."""
         if self.dynamic:
-            low = self.min_loss_scale if self.min_loss_scale is not None else 0.0
-            scale = min(max(saved, low), self.max_loss_scale)
-            bound = "max_loss_scale" if saved > self.max_loss_scale else "min_loss_scale"
+            # (an audit: a saved 2**-130, below the floor, loaded silently and the next step
+            # crashed in torch)
+            scale = min(max(saved, self.floor), self.max_loss_scale)
+            bound = (
+                "max_loss_scale"
+                if saved > self.max_loss_scale
+                else "min_loss_scale"
+                if self.min_loss_scale is not None and self.min_loss_scale >= MIN_SCALE
+                else "the floor 2**-100"
+            )
         else:
             scale, bound = float(self.settings["loss_scale"]), "static loss_scale"
         if scale != saved:

@@ -1,5 +1,6 @@
 """distamp.GradScaler: torch.amp.GradScaler's API, one decision on every rank, FP16 gradients."""
 
+import gc
 import re
 import warnings
 
@@ -176,6 +177,17 @@ def test_torch_grad_scaler_on_a_wrapped_optimizer_with_masters_is_refused_by_nam
         assert message.startswith("torch.amp.GradScaler: this optimizer was wrapped by distamp")
         assert "distamp.scale_loss(loss, optimizer)" in message, message
         assert unchanged and not left
+
+
+def test_a_framework_asking_whether_a_wrapped_o2_optimizer_unscales_itself_gets_the_refusal():
+    """Lightning's 16-mixed reads _step_supports_amp_scaling before its clipping and unscale_:
+    a True sent it to "Gradient clipping is not implemented for optimizers handling the
+    unscaling", which never named distamp or O2 (an audit)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match=r"^torch.amp.GradScaler: this optimizer was wrapped"):
+        getattr(opt, "_step_supports_amp_scaling", False)
 
 
 def test_torch_grad_scaler_on_a_wrapped_o1_optimizer_still_steps_fused_or_not():
@@ -433,6 +445,68 @@ def test_a_rank_unscaling_the_first_optimizer_alone_is_fine():
     assert not isinstance(first, str) and not isinstance(second, str), (first, second)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+def _an_optimizer_replaced_mid_training(rank, world, early):
+    """o0 replaced by a new optimizer after two iterations; rank 0 keeps the old one alive (a
+    logger's reference), rank 1 frees it. ``early``: rank 0 alone then unscales o1 first."""
+    m0, m1 = mlp(seed=0), mlp(seed=1)
+    o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.05)
+    d0, d1 = DDP(m0), DDP(m1)
+    scaler = distamp.GradScaler(init_scale=1024.0)
+    kept = []
+    try:
+        for it, (x, y) in enumerate(data(4, 8 * world)):
+            if it == 2:
+                if rank == 0:
+                    kept.append(o0)
+                o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
+                gc.collect()
+            x, y = x[rank::world], y[rank::world]
+            scaler.scale(F.mse_loss(d0(x), y)).backward()
+            scaler.scale(F.mse_loss(d1(x), y)).backward()
+            if early and it >= 2 and rank == 0:
+                scaler.unscale_(o1)
+            scaler.step(o0)
+            scaler.step(o1)
+            scaler.update()
+            o0.zero_grad()
+            o1.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return [p.detach().clone() for p in (*m0.parameters(), *m1.parameters())]
+
+
+def test_an_optimizer_replaced_mid_training_keeps_the_order_on_every_rank():
+    """The order came from a weak dictionary's length, which shrank when an optimizer was freed
+    (at other times on other ranks): a kept reference on one rank was refused as a mismatch,
+    and a replaced optimizer took a live one's place, letting a real mismatch through (an
+    audit)."""
+    first, second = run_ranks(_an_optimizer_replaced_mid_training, 2, False, timeout=120)
+    assert not isinstance(first, str) and not isinstance(second, str), (first, second)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    for message in run_ranks(_an_optimizer_replaced_mid_training, 2, True, timeout=120):
+        assert isinstance(message, str) and "stepped #2 on some ranks and #3" in message, message
+
+
+def test_a_scale_set_below_the_floor_is_raised_to_it_with_a_warning():
+    """A torch scaler's state saved at 2**-130 loaded silently, and the next step crashed inside
+    torch: 1 / scale is no FP32 number (an audit)."""
+    scaler = distamp.GradScaler()
+    with pytest.warns(UserWarning, match=r"below the scale's floor 2\*\*-100"):
+        scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=2.0**-130).state_dict())
+    assert scaler.get_scale() == 2.0**-100
+    with pytest.warns(UserWarning, match=r"below the scale's floor"):
+        scaler.update(2.0**-130)
+    assert scaler.get_scale() == 2.0**-100
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(iter(data(1, 4)))
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    scaler.step(opt)  # a finite 1 / scale
+    scaler.update()
 
 
 def test_the_scale_stops_at_a_floor_whose_inverse_is_finite():

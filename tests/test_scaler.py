@@ -78,6 +78,18 @@ def test_without_min_loss_scale_the_floor_keeps_the_inverse_finite():
     assert math.isfinite(torch.tensor(1.0 / s.scale, dtype=torch.float32).item())
 
 
+def test_a_loaded_or_initial_scale_below_the_floor_is_raised_to_it():
+    """A saved 2**-130 (a run that walked past the floor before it existed) loaded silently and
+    the next step crashed inside torch (an audit)."""
+    assert LossScaler(init_scale=2.0**-130).scale == 2.0**-100
+    s = LossScaler()
+    with pytest.warns(UserWarning, match=r"loss scale 7.3\d*e-40 is outside .*the floor 2\*\*-100"):
+        s.set_loaded_scale(2.0**-130, "the checkpoint's")
+    assert s.scale == 2.0**-100
+    with pytest.warns(UserWarning, match=r"\(min_loss_scale 1\)"):
+        LossScaler(min_loss_scale=1.0).set_loaded_scale(2.0**-130, "the checkpoint's")
+
+
 def test_a_bad_batch_every_few_steps_ends_in_the_clear_error_not_a_crash():
     """The skips never consecutive (max_consecutive_skips never fires), never 2000 clean steps
     to grow back: the default settings walked the scale down to 2**-128 in 720 steps, then

@@ -283,16 +283,19 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """[Note: torch's GradScaler on masters] True where the optimizer steps FP32 masters (O2,
-        sharded, distamp.fsdp): torch.amp.GradScaler then leaves ``unscale_`` to ``step()`` and
-        hands it ``grad_scale``/``found_inf``, so ``step()`` sees the scaler and refuses it by
-        name. Kept, torch's scaler unscaled what param_groups hold — masters with no gradient
-        yet — and distamp's step took the model's gradients, still scaled, as unscaled: an
-        audit's O2 update was 1024x too large, after one warning. Elsewhere the inner class's
-        own value (a fused Adam's True)."""
+        """[Note: torch's GradScaler on masters] Read only by code about to drive the optimizer
+        with torch.amp.GradScaler (torch's ``GradScaler.step``; Lightning's 16-mixed before its
+        ``unscale_``/clipping). Where the optimizer steps FP32 masters (O2, sharded, distamp.fsdp)
+        it raises distamp's refusal before any step (a script's own ``scaler.unscale_`` first
+        has divided what it reaches, the FP32 norms' gradients at O2): torch's scaler
+        unscaled what param_groups hold — masters with no gradient yet — and distamp's step
+        took the model's gradients, still scaled, as unscaled (an audit's O2 update was 1024x
+        too large, after one warning); a True instead sent Lightning's clipping to "not
+        implemented for optimizers handling the unscaling". Elsewhere the inner class's own
+        value (a fused Adam's True)."""
         st = self.__dict__.get("_distamp")
         if st is not None and holds_masters(st):
-            return True
+            refuse_external_scaler(st, "torch.amp.GradScaler")
         if "_step_supports_amp_scaling" in self.__dict__:
             return bool(self.__dict__["_step_supports_amp_scaling"])
         for klass in type(self).__mro__:
@@ -311,12 +314,6 @@ class AmpOptimizer(torch.optim.Optimizer):
         found-inf flags, none when another optimizer of the same losses already decided).
         """
         loss = None
-        if "found_inf" in self.__dict__ and holds_masters(self._distamp):
-            # torch.amp.GradScaler.step set them (see [Note: torch's GradScaler on masters]);
-            # refused on every rank alike before any collective
-            self.__dict__.pop("found_inf")
-            self.__dict__.pop("grad_scale", None)
-            refuse_external_scaler(self._distamp, "torch.amp.GradScaler")
         if closure is not None:
             # torch.optim's contract: call it once with grad enabled, step, return its loss.
             # Lightning steps every optimizer this way (a no-op closure under manual

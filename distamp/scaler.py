@@ -393,6 +393,8 @@ class ScalerGroup:
         self.total_skips = 0
         self.loss_skips = 0
         """Skips whose loss itself was non-finite (logged on their own count)."""
+        self.warned_low_scale: set[int] = set()
+        """Losses whose fp16 scale fell below 1, said once (see :meth:`_say_low_scale`)."""
         self.unscaled_skips = 0
         """Consecutive skips after backwards outside ``scale_loss`` (no loss scaler counts them:
         see :meth:`after_skip`); a step taken resets it."""
@@ -1175,6 +1177,33 @@ class ScalerGroup:
                     # checked, and the scale sank until that optimizer's gradients were 0)
                     self._refuse_discarding_forever(loss_id, report)
 
+    def _say_low_scale(self, loss_ids: list[int]) -> None:
+        """Once per loss, when an fp16 dynamic scale backs off below 1: a run of batches whose
+        loss itself was inf/NaN (which no scale fixes) halved it every time, apex's and torch's
+        way, and never 2000 clean steps let it grow back; below 1 the fp16 gradients underflow
+        to 0 and every later step was "clean" and trained nothing, silently (an audit: 40 bad
+        batches left the scale at 3e-8 and the loss at 9.9 against 0.51)."""
+        if self.props.half_dtype != torch.float16 or self.props.verbosity < 1 or self.rank != 0:
+            return
+        for j in loss_ids:
+            scaler = self.scalers[j]
+            if not scaler.dynamic or scaler.scale >= 1.0 or j in self.warned_low_scale:
+                continue
+            self.warned_low_scale.add(j)
+            logger.warning(
+                "distamp: loss %d's scale fell below 1 (now %g) after %d skipped steps, %d of "
+                "them with a non-finite loss itself, which a smaller scale does not fix; below 1 "
+                "fp16 gradients underflow to 0 and training stalls while the scale grows back "
+                "once per %d clean steps. Expected a loss scale >= 1: fix what makes the loss "
+                "non-finite (drop such a batch before backward), or set a floor with "
+                "wrap(..., min_loss_scale=1.0) (DeepSpeed's and Megatron's default)",
+                j,
+                scaler.scale,
+                self.total_skips,
+                self.loss_skips,
+                scaler.growth_interval,
+            )
+
     def after_skip(self, st: AmpOptimizerState) -> None:
         """After a skip this optimizer decided: log what the decision named, stop a hopeless loop."""
         if not st.decided_here:
@@ -1207,6 +1236,7 @@ class ScalerGroup:
                 what,
                 scales,
             )
+        self._say_low_scale(loss_ids)
         limit = self.props.max_consecutive_skips
         if not st.backwards:
             # A framework's backward (the Trainer's, accelerate's, Lightning's automatic

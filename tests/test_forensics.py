@@ -192,6 +192,26 @@ def test_a_nan_loss_every_step_is_logged_rate_limited(caplog):
     assert len(logged) == 12  # skips 1-10, 16, 32
 
 
+def test_an_fp16_scale_backed_off_below_one_is_said_once(caplog):
+    """40 batches of inf loss halved the scale to 3e-8; the fp16 gradients then underflowed to 0
+    and every later step was "clean" and trained nothing, silently (an audit)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=1)
+    x, y = data(1, 4)[0]
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        for _ in range(20):  # 2**16 -> 2**-4
+            loss = F.mse_loss(model(x.half()).float(), y) * float("inf")
+            with distamp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "scale fell below 1" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "(now 0.5) after 17 skipped steps, 17 of them with a non-finite loss" in said[0]
+    assert "min_loss_scale=1.0" in said[0]
+
+
 class Log(nn.Module):
     def forward(self, x):
         return torch.log(x)

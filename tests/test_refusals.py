@@ -401,6 +401,36 @@ def test_a_second_step_on_the_same_gradients_is_refused(level):
     assert _step_twice(level) == 2
 
 
+@pytest.mark.parametrize("level", ["O0", "O2"])
+@pytest.mark.parametrize("zeroed_by", ["optimizer", "model"])
+def test_a_step_on_gradients_zeroed_in_place_steps_as_fp32_does(level, zeroed_by):
+    """Alternating updates: zero_grad(set_to_none=False), then step() with no backward for this
+    optimizer. FP32 code (and torch's GradScaler, and apex) step on the zeros — momentum and
+    weight decay still move the weights; it was refused as "called again" (an audit)."""
+    torch.manual_seed(0)
+    ref = NormMLP()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    model, opt = distamp.wrap(model, opt, opt_level=level, loss_scale=1.0, verbosity=0)
+    x = torch.randn(4, NormMLP().fc1.in_features)
+    for net, o in ((model, opt), (ref, ref_opt)):
+        for it in range(3):
+            if it != 1:  # no backward in the second iteration
+                loss = net(x).float().pow(2).mean()
+                if o is opt:
+                    with distamp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+            o.step()
+            (o if zeroed_by == "optimizer" else net).zero_grad(set_to_none=False)
+    tol = 0 if level == "O0" else 2e-2
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(a.float(), b, atol=tol, rtol=tol), (a, b)
+    assert distamp.stats(opt).steps == 3
+
+
 def _step_twice_on_ranks(rank, world, hook):
     return _step_twice("O2", hook, rank, world)
 

@@ -1344,6 +1344,12 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
         stale = not st.backward_since_step and not unwatched_moved and any(same)
     else:
         stale = now == st.stepped_grads and any(v is not None for v in now)
+    if stale and _zeroed_since(st, st.stepped_grads):
+        # Zeroed in place since (zero_grad(set_to_none=False), of the optimizer or the model):
+        # zero gradients carry no scale and are every rank's own zeros; FP32 code steps on them
+        # (momentum and weight decay still move the weights: alternating updates), and so do
+        # torch's GradScaler and apex. An audit found this refused as "called again".
+        return
     if stale:
         # Not alone: another rank that did run a backward waits in the skip decision (an audit:
         # gradients zeroed with set_to_none=False on a rank without a batch; it raised here and
@@ -1352,7 +1358,7 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
         _decide_with_no_blocks(st)
         raise RuntimeError(
             "optimizer.step() was called again on the gradients the previous step() used (no "
-            "backward since, the .grad unchanged); expected a backward inside distamp.scale_loss "
+            "backward since, the .grad not zeroed); expected a backward inside distamp.scale_loss "
             "before each step (torch.amp.GradScaler refuses a second step() before update() "
             "too). The previous step's gradients are not reusable: they may still carry the "
             f"loss scale (opt_level {st.group.props.opt_level}) or be this rank's unreduced ones"

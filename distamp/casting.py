@@ -110,10 +110,22 @@ def cast_floating(
         if isinstance(value, MutableMapping):
             # A copy keeps the type and what it carries (a defaultdict's factory, a batch
             # object's attributes); item by item, since some forbid update() (HF's ModelOutput).
+            # A shallow copy of a mapping that keeps its items in an attribute (a
+            # MutableMapping over self._data) shares them with the caller's: the writes reached
+            # the caller's batch, whose targets came back bf16-rounded (an audit). Seen, undone,
+            # and built anew from the cast items instead.
+            held = dict(value.items())
             out = copy.copy(value)
             for k, v in cast.items():
                 out[k] = v
-            return out
+            if all(value[k] is held[k] for k in cast):
+                return out
+            for k, v in held.items():
+                value[k] = v
+            try:
+                return type(value)(cast)  # type: ignore[call-arg]
+            except TypeError:  # (apex's dict)
+                return cast
         try:
             return type(value)(cast)  # type: ignore[call-arg]
         except TypeError:  # a read-only mapping that cannot be built from a dict: apex's dict

@@ -4,6 +4,7 @@ import copy
 import math
 import threading
 import warnings
+from collections.abc import MutableMapping
 
 import pytest
 import torch
@@ -338,6 +339,51 @@ def test_mappings_in_and_out_keep_their_type_under_o2_and_o3(level):
     assert type(custom) is BatchDict and custom.note == "out"
     assert custom["logits"].dtype == torch.float32
     assert batch["x"].dtype == torch.float32  # the caller's batch is not modified
+
+
+class InnerDictBatch(MutableMapping):
+    """A batch written the usual way for a MutableMapping: its items in an inner dict, which a
+    shallow copy shares."""
+
+    def __init__(self, **items):
+        self._data = dict(items)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __setitem__(self, key, value):
+        self._data[key] = value
+
+    def __delitem__(self, key):
+        del self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_mapping_whose_copy_shares_its_items_leaves_the_callers_batch_alone(level):
+    """The cast items were written into a shallow copy that shared the caller's inner dict:
+    the caller's target came back bf16-rounded after forward (an audit)."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, batch):
+            self.seen = (batch["x"].dtype, batch["target"].dtype)
+            return self.fc(batch["x"])
+
+    model = distamp.wrap(Head(), opt_level=level)
+    x, target = torch.randn(2, 4), torch.tensor([[0.123456], [0.654321]])
+    batch = InnerDictBatch(x=x, target=target)
+    assert model(batch).dtype == torch.float32
+    assert model.seen == (torch.bfloat16, torch.bfloat16)
+    assert batch["x"] is x and batch["target"] is target  # the caller's items, untouched
 
 
 def test_enabled_false_returns_inputs_untouched():

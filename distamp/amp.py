@@ -360,16 +360,6 @@ def _autocast_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | Non
     return device if torch.is_autocast_enabled(device) else None
 
 
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
-
-
 def _widest(values: Any) -> torch.dtype | None:
     widest: torch.dtype | None = None
     for value in values:
@@ -381,8 +371,9 @@ def _widest(values: Any) -> torch.dtype | None:
         else:
             candidates = []
         for dtype in candidates:
-            if widest is None or torch.finfo(dtype).bits > torch.finfo(widest).bits:
-                widest = dtype
+            # torch's promotion: fp16 with bf16 is FP32 (an audit: the first 16-bit one won, so
+            # the result depended on the order of the arguments)
+            widest = dtype if widest is None else torch.promote_types(widest, dtype)
     return widest
 
 
@@ -397,7 +388,9 @@ def _cast_call(fn: F, pick: Callable[[str, tuple[Any, ...]], torch.dtype | None]
         if device is None or dtype is None:
             return fn(*args, **kwargs)
         with torch.autocast(device, enabled=False):
-            return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
+            # the model's input walk: namedtuples rebuilt field by field, mapping types kept
+            # (an audit: a namedtuple argument raised TypeError, a defaultdict became a dict)
+            return fn(*casting.cast_floating(args, dtype), **casting.cast_floating(kwargs, dtype))
 
     return wrapper  # type: ignore[return-value]
 
@@ -418,7 +411,10 @@ def float_function(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _autocast_device(args, kwargs) is None and _has_half((*args, *kwargs.values())):
-            return fn(*_cast(args, torch.float32), **_cast(kwargs, torch.float32))
+            return fn(
+                *casting.cast_floating(args, torch.float32),
+                **casting.cast_floating(kwargs, torch.float32),
+            )
         return under_autocast(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

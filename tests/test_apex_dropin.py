@@ -164,6 +164,32 @@ def test_function_decorators_under_o1():
         me.gelu_sum = original
 
 
+def test_function_decorators_take_namedtuples_and_mapping_types_and_promote_as_torch():
+    """A namedtuple argument raised "missing 1 required positional argument", a defaultdict
+    arrived as a plain dict, and promote_function gave the first 16-bit dtype of fp16 and bf16
+    (an audit): the helpers now walk inputs as the model's forward does, and promote as torch."""
+    import collections
+
+    pair_type = collections.namedtuple("Pair", "a b")
+
+    def matmul(p):
+        return p.a @ p.b
+
+    def with_default(d):
+        return d["a"].sum() + len(d["missing"])
+
+    pair = pair_type(torch.randn(2, 2), torch.randn(2, 2))
+    half16, bf16 = torch.randn(2, 2).half(), torch.randn(2, 2).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert amp.half_function(matmul)(pair).dtype == torch.bfloat16
+        assert amp.float_function(matmul)(pair).dtype == torch.float32
+        assert amp.promote_function(matmul)(pair).dtype == torch.float32
+        batch = collections.defaultdict(list, a=torch.randn(2))
+        assert amp.half_function(with_default)(batch).dtype == torch.bfloat16
+        add = amp.promote_function(torch.add)
+        assert add(half16, bf16).dtype == add(bf16, half16).dtype == torch.float32
+
+
 class PartlyFP32(nn.Module):
     """apex's documented use of disable_casts: one computation inside forward kept out of O1."""
 

@@ -78,12 +78,16 @@ def _shaped_like(given: Any, items: list[Any]) -> Any:
     return items if isinstance(given, list) else items[0]
 
 
-def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int, str]:
+def check_models(
+    models: list[nn.Module], *, meta_ok: bool = False, casts: bool = False
+) -> dict[int, str]:
     """Refuse models wrapped already, under DDP/FSDP, or holding half weights; return param names.
 
     ``meta_ok`` (``distamp.fsdp.fully_shard``): a model whose floating-point parameters are all on
     the meta device passes (see [Note: meta-device models under FSDP] in fsdp.py); one with some
-    on the meta device and some not never does."""
+    on the meta device and some not never does. ``casts``: this wrap casts the weights (O2/O3),
+    so a wrapped submodule (whose own forward checks its weights are as its wrap left them)
+    is refused by name."""
     names: dict[int, str] = {}
     for i, model in enumerate(models):
         where = "model" if len(models) == 1 else f"models[{i}]"
@@ -92,6 +96,24 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
                 f"{where} was already wrapped by distamp.wrap (or is a copy of a wrapped model: "
                 "deepcopy and pickle keep the wrapping); wrap each model once — to train a copy "
                 "with its own optimizer, copy the FP32 model before wrap and wrap both"
+            )
+        inner = next(
+            (
+                name
+                for name, sub in model.named_modules()
+                if sub is not model and casting.is_wrapped(sub)
+            ),
+            None,
+        )
+        if inner is not None and casts:
+            # (an audit: accepted, then the submodule's first forward blamed model.half() or
+            # load_state_dict(assign=True), which the script never called)
+            raise ValueError(
+                f"{where}: expected no submodule wrapped by distamp.wrap already when this wrap "
+                f"casts the weights (O2/O3), found {inner!r} wrapped (a teacher set up with "
+                "amp.initialize, then held by the model): this wrap would cast the weights that "
+                "wrap keeps, and its forward would refuse them. Wrap the plain FP32 model once "
+                "(its opt_level covers every submodule), or keep the wrapped one outside it"
             )
         if type(model).__name__ == "OptimizedModule" and isinstance(
             getattr(model, "_orig_mod", None), nn.Module
@@ -125,6 +147,15 @@ def check_models(models: list[nn.Module], *, meta_ok: bool = False) -> dict[int,
         for pname, param in model.named_parameters():
             qualified = pname if len(models) == 1 else f"models[{i}].{pname}"
             names.setdefault(id(param), qualified)
+            if nn.parameter.is_lazy(param):
+                # (an audit: torch's "Can't access the shape of an uninitialized parameter ...
+                # load_state_dict" came out of wrap's checks)
+                raise ValueError(
+                    f"{where}: parameter {pname!r} is uninitialized (a lazy module: "
+                    "nn.LazyLinear, LazyConv*, ...), expected FP32 weights of a known shape: run "
+                    "one forward pass with a real batch before distamp.wrap (torch then "
+                    "materializes them), or build the module with its sizes"
+                )
             if not param.is_floating_point():
                 continue
             floating += 1

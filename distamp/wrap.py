@@ -155,7 +155,7 @@ def wrap(
             world_size=world_size,
             max_consecutive_skips=max_consecutive_skips,
         )
-        names = check_models(model_list)
+        names = check_models(model_list, casts=props.model_is_cast)
         check_optimizers(opt_list, names)
         wrappers = [o for o in given if not isinstance(o, torch.optim.Optimizer)]
         if props.shard_master_weights:

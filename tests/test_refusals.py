@@ -113,6 +113,33 @@ def test_optimizer_with_foreign_parameters_is_refused():
     assert_unchanged(before, model, opt)
 
 
+@pytest.mark.parametrize("outer", ["O2", "O3"])
+def test_a_wrapped_submodule_under_a_casting_wrap_is_refused_by_name(outer):
+    """Accepted, then the submodule's first forward blamed model.half() or
+    load_state_dict(assign=True), which the script never called (an audit)."""
+    teacher = distamp.wrap(nn.Linear(4, 4), opt_level="O1")
+    student = nn.Sequential(nn.Linear(4, 4), teacher)
+    opt = torch.optim.SGD(student[0].parameters(), lr=0.1)
+    before = copy.deepcopy(student.state_dict())
+    with pytest.raises(ValueError, match=r"found '1' wrapped .*Wrap the plain FP32 model once"):
+        distamp.wrap(student, opt, opt_level=outer)
+    for key, value in student.state_dict().items():
+        assert torch.equal(value, before[key]) and value.dtype == torch.float32, key
+    # Under O1, which casts no weight, the held teacher keeps working (its own forward).
+    model, _ = distamp.wrap(student, opt, opt_level="O1", verbosity=0)
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16  # O1: autocast's output
+
+
+def test_a_lazy_module_is_refused_by_name_before_its_first_forward():
+    """torch's "Can't access the shape of an uninitialized parameter ... load_state_dict" came
+    out of wrap's checks (an audit)."""
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"'0.weight' is uninitialized \(a lazy module.*forward"):
+        distamp.wrap(model, opt_level="O2")
+    model(torch.randn(2, 5))  # materialized: wrap takes it
+    assert distamp.wrap(model, opt_level="O2")(torch.randn(2, 5)).dtype == torch.float32
+
+
 def test_wrapping_twice_is_refused():
     model, opt = fresh()
     model, opt = distamp.wrap(model, opt, opt_level="O2")

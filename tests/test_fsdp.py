@@ -612,6 +612,46 @@ def test_clipping_fsdp_gradients_still_scaled_is_warned_about(how):
         assert len(messages) == (1 if how == "clip" else 0), (how, messages)
 
 
+class _Gained(nn.Module):
+    """A 1-element gain: at world 2 one rank's FSDP shard of it is empty."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return self.gain * self.fc(x)
+
+
+def _clip_with_an_empty_shard(rank, world, norm_type):
+    model = _Gained()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O0", verbosity=0)
+    torch.manual_seed(1)
+    x = torch.randn(2 * world, 4)[rank::world]
+    with distamp.scale_loss(model(x).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    return float(distamp.clip_grad_norm_(opt, 1e9, norm_type))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clipping_with_a_ranks_empty_gradient_shard_gives_the_global_norm(norm_type):
+    """The inf-norm of a rank's empty shard raised inside torch (no identity for max) while the
+    other rank waited in the MAX all-reduce (an audit)."""
+    reference = _Gained()
+    torch.manual_seed(1)
+    x = torch.randn(4, 4)
+    reference(x[0::2]).pow(2).mean().mul(0.5).add(
+        reference(x[1::2]).pow(2).mean().mul(0.5)
+    ).backward()
+    grads = [p.grad.reshape(-1) for p in reference.parameters()]
+    expected = float(torch.linalg.vector_norm(torch.cat(grads), norm_type))
+    for norm in run_ranks(_clip_with_an_empty_shard, 2, norm_type):
+        assert norm == pytest.approx(expected, rel=1e-5)
+
+
 def _unfreeze_a_frozen_unit(rank, world, add_group, steps=4, unfreeze_at=2):
     """blocks[1] (an FSDP unit of its own) frozen at the first forward, unfrozen at
     ``unfreeze_at``: handed to the optimizer then (``add_group``) or held by it from the start."""

@@ -25,11 +25,13 @@ def norm_part(
 ) -> torch.Tensor:
     """This rank's contribution to the norm of ``grads``: a (1,) FP32 tensor holding the largest
     norm (inf-norm) or the sum of ``norm ** norm_type`` (reduce it with MAX or SUM)."""
-    if not grads:
+    # Empty operands (FSDP's shard of a parameter smaller than the world: a 1-element gain) add
+    # nothing; torch has no inf-norm of an empty tensor, and the rank raised while its peers
+    # waited in the MAX all-reduce (an audit). 0 is the identity of both reductions.
+    operands = [g for g in norm_operands(grads) if g.numel()]
+    if not operands:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    norms = torch.stack(
-        [torch.linalg.vector_norm(g.float(), norm_type) for g in norm_operands(grads)]
-    )
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in operands])
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return part.reshape(1).to(device)
 

@@ -10,7 +10,10 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class NonFiniteReport:
-    """The first non-finite gradient of a skipped step (in parameter order, lowest rank first)."""
+    """The first non-finite gradient of a skipped step, lowest rank first, in the order the
+    masters hold the parameters: the optimizer's, except that sharded masters (O2 at several
+    ranks) list the cast weights before those kept FP32 (the norms), so one of each non-finite
+    in one step names the cast one (an audit)."""
 
     param: str
     """Qualified name of the parameter whose gradient was non-finite."""

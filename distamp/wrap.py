@@ -39,7 +39,7 @@ from .config import (
     warn_from_caller,
 )
 from .forensics import NonFiniteReport
-from .masters.base import MasterWeights, local_tensor
+from .masters.base import MasterWeights, grad_version, local_tensor
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
     AmpOptimizer,
@@ -1049,12 +1049,18 @@ def clip_grad_norm_(
         if error_if_nonfinite:
             _nonfinite_norm(float("inf"), norm_type)
         return torch.tensor(float("inf"))
+    exposed = bool(getattr(st.masters, "exposed", None))
     st.masters.take_modified_model_grads()
     total = st.masters.clip_(max_norm, norm_type)
     if error_if_nonfinite:  # float() waits for the norm: only when asked (no sync otherwise)
         _nonfinite_norm(float(total), norm_type)
     if st.unscaled_shards is not None:  # its own clipping of the shards is the global one
         st.record_shard_grads()
+    if exposed:  # (distamp.unscale_ first: the model's .grad show what steps)
+        st.masters.expose_clipped(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    elif st.masters.separate_params():
+        # still scaled and unclipped: an edit now would not reach the masters (said at step)
+        st.clipped_grads = [(p, grad_version(p)) for p in st.masters.separate_params()]
     return total
 
 

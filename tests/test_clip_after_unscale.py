@@ -131,6 +131,55 @@ def test_a_gradient_removed_after_unscale_is_not_stepped(shard, world):
         torch.testing.assert_close(r["ln"], -H / 8)
 
 
+def _edit_after_distamp_clip(rank, world, shard, unscale_first):
+    model = Probes()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=shard, verbosity=0)
+    with distamp.scale_loss(model(G, H).float(), opt) as scaled:
+        scaled.backward()
+    if unscale_first:
+        distamp.unscale_(opt)
+    total = distamp.clip_grad_norm_(opt, MAX_NORM)
+    shown = model.ln.weight.grad.float().clone()
+    model.a.w.grad.zero_()  # a pruning mask, a frozen row zeroed: after the clip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    said = [
+        str(w.message) for w in caught if "changed after distamp.clip_grad_norm_" in str(w.message)
+    ]
+    return {
+        "a": model.a.w.detach().float(),
+        "ln": model.ln.weight.detach().float(),
+        "total": total.float(),
+        "shown": shown,
+        "said": said,
+    }
+
+
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)])
+def test_a_gradient_edited_after_distamp_clip_following_unscale_reaches_the_step(shard, world):
+    """unscale_, distamp.clip_grad_norm_, then an edit of a model .grad: the clip forgot the
+    exposure and the edit was dropped, silently (an audit). Now the model's .grad show the
+    clipped values and the edit is re-read at step()."""
+    full = torch.cat([G, H]) / 8
+    coef = MAX_NORM / full.norm()
+    for r in run_ranks(_edit_after_distamp_clip, world, shard, True, timeout=120):
+        assert torch.equal(r["a"], torch.zeros(6))  # the zeroed gradient stepped nothing
+        torch.testing.assert_close(r["shown"], H / 8 * coef, rtol=1e-2, atol=1e-6)
+        torch.testing.assert_close(r["ln"], -H / 8 * coef, rtol=1e-2, atol=1e-6)
+        assert not r["said"]
+
+
+@pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)])
+def test_a_gradient_edited_after_distamp_clip_alone_is_said_at_step(shard, world):
+    """Without unscale_ the model's .grad still carry the loss scale and the masters hold what
+    steps: an edit after the clip cannot reach it, and step() says so once."""
+    for r in run_ranks(_edit_after_distamp_clip, world, shard, False, timeout=120):
+        assert len(r["said"]) == 1 and "'a.w'" in r["said"][0], r["said"]
+        assert "distamp.unscale_(optimizer) first" in r["said"][0]
+
+
 def test_clipping_the_model_while_gradients_are_still_scaled_is_warned_about():
     """apex's O1 unscaled the model's gradients when scale_loss exited, so its scripts clip
     model.parameters() right there; distamp unscales at step(), and such a clip saw a norm

@@ -94,6 +94,34 @@ def test_weight_clipping_through_data_reaches_the_masters_under_16_bit_updates()
             assert diff <= (2e-4 if step < 3 else 1e-2), (step, diff)
 
 
+@pytest.mark.parametrize("through", ["data", "no_grad"])
+def test_a_channels_last_weights_clip_through_data_reaches_the_replicated_masters(through):
+    """Only contiguous weights were sampled: a channels_last critic (whose replicated masters
+    keep the format) clamped through .data trained unclipped, its masters at 0.45 after three
+    steps of a 0.01 clip (an audit)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 1, 3))
+    critic = critic.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(critic.parameters(), lr=0.5)
+    critic, opt = distamp.wrap(critic, opt, opt_level="O2", verbosity=0)
+    assert not critic[0].weight.is_contiguous()  # kept channels_last
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        backward(critic(x.bfloat16()).float().pow(2).mean() * 100, opt)
+        opt.step()
+        opt.zero_grad()
+        for p in critic.parameters():
+            if through == "data":
+                p.data.clamp_(-CLIP, CLIP)
+            else:
+                with torch.no_grad():
+                    p.clamp_(-CLIP, CLIP)
+    opt.state_dict()  # takes the written weights, as step() does
+    masters = opt.state_dict()["distamp"]["masters"]
+    assert max(float(m.abs().max()) for m in masters) <= CLIP + 1e-4
+
+
 def test_a_weight_resized_after_wrap_is_refused_by_name_with_replicated_masters():
     """Hugging Face's resize_token_embeddings after wrap (the embedding's .data replaced by a
     larger tensor): replicated masters failed in a reshape deep inside, naming nothing (an

@@ -217,6 +217,33 @@ def test_ddp_built_before_wrap_is_refused_with_replicated_weights(level):
         assert "found them different (first: '0.weight')" in message, message
 
 
+def _gradients_a_power_of_two_apart(rank, world, factor):
+    """DDP built before wrap: each rank steps its own gradients, here rank 1's exactly
+    ``factor`` times rank 0's (the same batch, the loss multiplied)."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ddp = DDP(model)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=False, verbosity=0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+    loss = F.mse_loss(ddp(x).float(), y) * (factor if rank == 1 else 1.0)
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    return step_error(opt)
+
+
+@pytest.mark.parametrize("factor", [2.0, -1.0, 0.5])
+def test_gradients_that_differ_by_sign_or_a_power_of_two_are_told_apart(factor):
+    """The hash multiplied the sign and exponent bits out modulo 2**23: gradients 2x or -1x
+    another rank's hashed the same and the ranks parted silently (an audit)."""
+    for message in run_ranks(_gradients_a_power_of_two_apart, 2, factor, timeout=90):
+        assert message is not None and "found them different" in message, message
+
+
 def _unused_under_default_ddp(rank, world, level, rs_hook):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -48,6 +48,8 @@ class MasterWeights(Protocol):
     def reduced_grads(self, names: dict[int, str]) -> list[tuple[str, torch.Tensor | None]]: ...
     def n_reduced_grads(self) -> int: ...
     def expose_unscaled(self, inv_scale: float) -> None: ...
+    def expose_clipped(self, coef: torch.Tensor) -> None: ...
+    def separate_params(self) -> list[nn.Parameter]: ...
     def take_modified_model_grads(self) -> None: ...
     def shard_grad_versions(self) -> list[tuple[int, int] | None]: ...
     def shard_grad_sample(self) -> torch.Tensor | None: ...
@@ -200,6 +202,22 @@ class ModelGrads:
                     p.grad.mul_(inv_scale)
         self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
 
+    def expose_clipped(self, coef: torch.Tensor) -> None:
+        """After ``distamp.clip_grad_norm_`` on gradients :meth:`expose_unscaled` exposed: the
+        model's gradients take the clip too, and their versions are recorded again, so an edit
+        after the clip (a pruning mask, a frozen row zeroed) is re-read at ``step()`` as one
+        after ``unscale_`` is (an audit: the clip forgot the exposure and such edits were
+        dropped, silently)."""
+        params = [p for p in self.separate_params() if p.grad is not None]
+        with torch.no_grad():
+            dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+            if dense:
+                torch._foreach_mul_(dense, coef.to(dense[0].device))
+            for p in params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad.mul_(coef.to(p.grad.device))
+        self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
+
     def take_modified_model_grads(self) -> None:
         """See [Note: unscale_ then torch's clip_grad_norm_]: re-read modified model gradients."""
         exposed = getattr(self, "exposed", None)
@@ -294,10 +312,14 @@ def bit_hash(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.zeros(2, dtype=torch.float32, device=device)
     with torch.no_grad():
         # one cat (promoting a mix of dtypes to FP32 exactly), one widening: not one per tensor
-        bits = torch.cat(tensors).float().view(torch.int32).to(torch.int64)
+        bits = torch.cat(tensors).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-        # int64 arithmetic wraps the same way on every rank; 23 bits are exact in float32
-        h = torch.remainder((bits * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
+        # The sign and exponent folded into the low 23 bits by an odd factor: multiplied as
+        # they were, they vanished modulo 2**23, and gradients 2x or -1x another rank's hashed
+        # the same (an audit: ranks parted silently). int64 arithmetic wraps the same way on
+        # every rank; 23 bits are exact in float32.
+        mixed = (bits & 0x7FFFFF) + 8191 * (bits >> 23)
+        h = torch.remainder((mixed * (2 * position + 1)).sum(), 1 << 23).to(torch.float32)
     return torch.stack([h, -h])
 
 

@@ -84,6 +84,11 @@ class AmpOptimizerState:
         self.scaled_sample: torch.Tensor | None = None
         """Under FSDP, ``scaled_grad_sample()`` at the end of that block (the same Note)."""
         self.warned_touched_scaled = False
+        self.clipped_grads: list[tuple[nn.Parameter, tuple[int, int] | None]] | None = None
+        """After ``distamp.clip_grad_norm_`` unscaled and clipped the masters' gradients alone
+        (no ``unscale_`` before it): the model's gradients and their versions then, which an
+        edit before ``step()`` moves (see :func:`_warn_if_edited_after_clip`)."""
+        self.warned_edited_after_clip = False
         self.warned_shard_state_dict = False
         self.unscaled_shards: list[tuple[int, int] | None] | None = None
         """With sharded masters, grad_version of the shard slices right after a public unscale_
@@ -206,6 +211,7 @@ class AmpOptimizerState:
         self.decision_report = None
         self.unscaled_shards = None
         self.had_grads = False
+        self.clipped_grads = None
         self.masters.release_master_grads()
 
 
@@ -368,6 +374,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if not decided_early:
             st.group.unscale_and_decide(st)
         _warn_if_scaled_grads_touched(st, touched, scale)
+        _warn_if_edited_after_clip(st)
         st.group.update_finished_losses()  # see [Note: the scale moves at step()]
         _warn_if_shards_touched(st)
         st.masters.take_modified_model_grads()
@@ -1443,6 +1450,29 @@ def _scaled_grads_touched(st: AmpOptimizerState) -> bool | torch.Tensor:
     if now is None or now.shape != st.scaled_sample.shape:
         return True
     return (now != st.scaled_sample).any()
+
+
+def _warn_if_edited_after_clip(st: AmpOptimizerState) -> None:
+    """A model gradient edited after ``distamp.clip_grad_norm_`` (with no ``unscale_`` before
+    it) does not reach the masters, which hold the unscaled, clipped gradients that step: the
+    edit (a pruning mask, a frozen row zeroed) was dropped, silently (an audit). Said once per
+    optimizer; ``unscale_`` first, then the edit and the clip, keeps it."""
+    clipped, st.clipped_grads = st.clipped_grads, None
+    if clipped is None or st.warned_edited_after_clip:
+        return
+    edited = [p for p, version in clipped if grad_version(p) != version]
+    if not edited:
+        return
+    st.warned_edited_after_clip = True
+    names = [st.group.param_names.get(id(p), "?") for p in edited[:3]]
+    _warn(
+        f"optimizer.step(): the .grad of {', '.join(map(repr, names))}"
+        f"{' and others' if len(edited) > 3 else ''} changed after distamp.clip_grad_norm_, "
+        "which unscaled and clipped the FP32 masters' gradients that step, not the model's "
+        "(still multiplied by the loss scale): the edit is not in this step. Expected "
+        "distamp.unscale_(optimizer) first — then the model's .grad hold the unscaled values, "
+        "and edits before or after the clip reach the step"
+    )
 
 
 def _warn_if_scaled_grads_touched(

@@ -34,6 +34,22 @@ class _Samples:
     masters: list[torch.Tensor]
 
 
+def _in_memory_order(
+    weight: torch.Tensor, master: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """1-D views of ``weight`` and ``master``, element by element the same positions: their
+    dimensions ordered by the weight's strides (a channels_last weight, whose master keeps its
+    format, is dense in that order). None when either is not dense so: a copy would not see
+    later writes. Only contiguous weights were sampled, and a channels_last critic's
+    ``p.data.clamp_`` never reached its masters (an audit: 1.8 against the clip's 0.01)."""
+    strides = weight.stride()
+    order = sorted(range(weight.dim()), key=lambda d: (-strides[d], d))
+    views = weight.permute(order), master.permute(order)
+    if not all(v.is_contiguous() for v in views):
+        return None
+    return views[0].view(-1), views[1].view(-1)
+
+
 class MasterParams(ModelGrads):
     """The (model parameter, FP32 master) pairs of one optimizer, replicated on every rank.
 
@@ -170,14 +186,15 @@ class MasterParams(ModelGrads):
             return self._samples[1]
         by_kind: dict[tuple[torch.device, torch.dtype, torch.device], _Samples] = {}
         for p, m in pairs:
-            if not (p.numel() and p.layout == torch.strided and p.is_contiguous()):
+            if not (p.numel() and p.layout == torch.strided):
                 continue
-            if not m.is_contiguous():
+            flat = _in_memory_order(p.detach(), m.detach())
+            if flat is None:
                 continue
             group = by_kind.setdefault((p.device, p.dtype, m.device), _Samples([], [], []))
             group.params.append(p)
-            group.weights.append(strided_sample(p.detach().view(-1)))
-            group.masters.append(strided_sample(m.detach().view(-1)))
+            group.weights.append(strided_sample(flat[0]))
+            group.masters.append(strided_sample(flat[1]))
         self._samples = (key, list(by_kind.values()))
         return self._samples[1]
 

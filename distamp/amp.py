@@ -339,16 +339,9 @@ def load_state_dict(state: dict[str, Any]) -> None:
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:
-    """The first tensor among ``values``, looking into lists, tuples and dicts (apex cast a list
-    of tensors as one argument: ``torch.cat``-like functions)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, (list, tuple, dict)):
-            found = _first_tensor(value.values() if isinstance(value, dict) else value)
-            if found is not None:
-                return found
-    return None
+    """The first tensor among ``values``, looking where the model's input cast looks (lists,
+    tuples, mappings, dataclasses, batch objects: see ``casting.tensors_in``)."""
+    return next(casting.tensors_in(tuple(values)), None)
 
 
 def _autocast_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -362,17 +355,11 @@ def _autocast_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | Non
 
 def _widest(values: Any) -> torch.dtype | None:
     widest: torch.dtype | None = None
-    for value in values:
-        if isinstance(value, (list, tuple, dict)):
-            inner = _widest(value.values() if isinstance(value, dict) else value)
-            candidates = [inner] if inner is not None else []
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():
-            candidates = [value.dtype]
-        else:
-            candidates = []
-        for dtype in candidates:
+    for tensor in casting.tensors_in(tuple(values)):
+        if tensor.is_floating_point():
             # torch's promotion: fp16 with bf16 is FP32 (an audit: the first 16-bit one won, so
             # the result depended on the order of the arguments)
+            dtype = tensor.dtype
             widest = dtype if widest is None else torch.promote_types(widest, dtype)
     return widest
 
@@ -421,14 +408,8 @@ def float_function(fn: F) -> F:
 
 
 def _has_half(values: Any) -> bool:
-    for value in values:
-        if isinstance(value, (list, tuple)) and _has_half(value):
-            return True
-        if isinstance(value, dict) and _has_half(value.values()):
-            return True
-        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
-            return True
-    return False
+    half = (torch.float16, torch.bfloat16)
+    return any(t.dtype in half for t in casting.tensors_in(tuple(values)))
 
 
 def promote_function(fn: F) -> F:

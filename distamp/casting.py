@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import fnmatch
 import inspect
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -146,6 +146,31 @@ def cast_floating(
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
         return _cast_batch_object(value, dtype, saturate=saturate, seen=_seen)
     return value
+
+
+def tensors_in(value: Any, _seen: frozenset[int] = frozenset()) -> Iterator[torch.Tensor]:
+    """The tensors :func:`cast_floating` would reach inside ``value``, in its order: lists,
+    tuples, namedtuples, mapping values, dataclass fields, and the ``__dict__`` of other objects
+    with a ``.to()`` method (an audit: apex's function helpers looked into lists, tuples and
+    dicts only, and ran a function given a dataclass batch uncast)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item, _seen)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors_in(item, _seen)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, f.name, None), _seen)
+    elif callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
+        fields = getattr(value, "__dict__", None)
+        if isinstance(fields, dict) and id(value) not in _seen:
+            for item in fields.values():
+                yield from tensors_in(item, _seen | {id(value)})
 
 
 def _cast_batch_object(

@@ -825,7 +825,12 @@ class ScalerGroup:
             tail: list[float] = []
             if self.process_group is not None:
                 kinds = float(zlib.crc32(repr(_kinds(undecided)).encode()))
-                tail = [early, kinds, -kinds, float(st.index), -float(st.index)]
+                # last, 1 on a rank taking part only to refuse (see _decide_with_no_blocks):
+                # the others raise with it, where they would have gone on to the step's
+                # collectives alone (an audit: a second step() on gradients zeroed in place on
+                # one rank only stepped there and hung, or parted the replicas)
+                refusing = float(st.refusing)
+                tail = [early, kinds, -kinds, float(st.index), -float(st.index), refusing]
                 parts.append(torch.tensor(tail, dtype=torch.float64, device=device))
             vector = torch.cat(parts)
             if self.process_group is not None:
@@ -835,6 +840,15 @@ class ScalerGroup:
             if tail:
                 values, tail = values[: -len(tail)], values[-len(tail) :]
                 early = tail[0]
+            if tail and tail[5] > 0 and not st.refusing:
+                raise RuntimeError(
+                    f"{api}: expected every rank of distamp.wrap's process_group to step on "
+                    "gradients of its own new backward, found another rank refusing this step "
+                    "(a second step() there on the gradients its previous step used, or no "
+                    "gradients at all): this rank raises with it rather than step alone. The "
+                    "usual cause: one rank's loop differs (an extra step(), a zero_grad on "
+                    "some ranks only, a batch skipped)"
+                )
             if tail and tail[3] != -tail[4]:
                 self._refuse_different_deciders(st, api, tail[3], -tail[4])
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:

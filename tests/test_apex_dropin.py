@@ -2,6 +2,7 @@
 the same training written on distamp.wrap."""
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -188,6 +189,23 @@ def test_function_decorators_take_namedtuples_and_mapping_types_and_promote_as_t
         assert amp.half_function(with_default)(batch).dtype == torch.bfloat16
         add = amp.promote_function(torch.add)
         assert add(half16, bf16).dtype == add(bf16, half16).dtype == torch.float32
+        # a dataclass batch: its tensors were not seen, and the function ran uncast (an audit)
+        seen = []
+
+        def first(b):
+            seen.append(b.x.dtype)
+            return b.x
+
+        amp.half_function(first)(Holder(torch.randn(2)))
+        amp.float_function(first)(Holder(torch.randn(2).bfloat16()))
+    assert seen == [torch.bfloat16, torch.float32]
+    amp.float_function(first)(Holder(torch.randn(2).half()))  # outside autocast: FP32
+    assert seen[-1] == torch.float32
+
+
+@dataclasses.dataclass
+class Holder:
+    x: torch.Tensor
 
 
 class PartlyFP32(nn.Module):

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from asserts import step_error
 from dist_harness import run_ranks
 from models import NormMLP, mlp
 from torch import nn
@@ -456,6 +457,33 @@ def test_a_step_on_gradients_zeroed_in_place_steps_as_fp32_does(level, zeroed_by
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(a.float(), b, atol=tol, rtol=tol), (a, b)
     assert distamp.stats(opt).steps == 3
+
+
+def _zeroed_on_one_rank_only(rank, world, level, hook):
+    torch.manual_seed(0)
+    model = NormMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0)
+    train = nn.parallel.DistributedDataParallel(model)
+    if hook is not None:
+        distamp.hooks.register(train, opt, reduce_scatter=hook == "reduce-scatter")
+    x = torch.randn(4, NormMLP().fc1.in_features, generator=torch.Generator().manual_seed(rank))
+    with distamp.scale_loss(train(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    if rank == 0:
+        model.zero_grad(set_to_none=False)
+    return step_error(opt)
+
+
+@pytest.mark.parametrize("level,hook", [("O1", None), ("O2", None), ("O2", "reduce-scatter")])
+def test_a_second_step_after_zeroing_on_one_rank_only_raises_on_every_rank(level, hook):
+    """Rank 0 zeroed in place (its step on zeros goes on), rank 1 did not (its second step is
+    refused): rank 0 stepped alone into the sharded step's collectives and hung, or at O1
+    the replicas parted (an audit). Every rank raises together now."""
+    zeroed, stale = run_ranks(_zeroed_on_one_rank_only, 2, level, hook, timeout=90)
+    assert zeroed is not None and "found another rank refusing this step" in zeroed, zeroed
+    assert stale is not None and "called again on the gradients" in stale, stale
 
 
 def _step_twice_on_ranks(rank, world, hook):

@@ -115,14 +115,21 @@ def cast_floating(
             # the caller's batch, whose targets came back bf16-rounded (an audit). Seen, undone,
             # and built anew from the cast items instead.
             held = dict(value.items())
-            out = copy.copy(value)
-            for k, v in cast.items():
-                out[k] = v
-            if all(value[k] is held[k] for k in cast):
-                return out
-            for k, v in held.items():
-                value[k] = v
-            try:
+            for own_storage in (False, True):
+                out = copy.copy(value)
+                fields = getattr(out, "__dict__", None)
+                if own_storage and isinstance(fields, dict):
+                    # the copy's containers its own (its items' dict), the rest still shared
+                    for name, attr in list(fields.items()):
+                        if isinstance(attr, (dict, list)):
+                            fields[name] = copy.copy(attr)
+                for k, v in cast.items():
+                    out[k] = v
+                if all(value[k] is held[k] for k in cast):
+                    return out
+                for k, v in held.items():
+                    value[k] = v
+            try:  # (a copy that still shares: built anew; an audit lost the type to a dict)
                 return type(value)(cast)  # type: ignore[call-arg]
             except TypeError:  # (apex's dict)
                 return cast

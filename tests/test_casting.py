@@ -375,14 +375,16 @@ def test_a_mapping_whose_copy_shares_its_items_leaves_the_callers_batch_alone(le
             self.fc = nn.Linear(4, 1)
 
         def forward(self, batch):
-            self.seen = (batch["x"].dtype, batch["target"].dtype)
+            self.seen = (type(batch), batch["x"].dtype, batch["target"].dtype)
             return self.fc(batch["x"])
 
     model = distamp.wrap(Head(), opt_level=level)
     x, target = torch.randn(2, 4), torch.tensor([[0.123456], [0.654321]])
     batch = InnerDictBatch(x=x, target=target)
     assert model(batch).dtype == torch.float32
-    assert model.seen == (torch.bfloat16, torch.bfloat16)
+    # its type kept too: a rebuild from the constructor (which takes **items) fell back to a
+    # plain dict, and a forward calling the batch's own methods failed (an audit)
+    assert model.seen == (InnerDictBatch, torch.bfloat16, torch.bfloat16)
     assert batch["x"] is x and batch["target"] is target  # the caller's items, untouched
 
 

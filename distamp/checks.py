@@ -173,6 +173,14 @@ def check_models(
                     "model first (model.to_empty(device=...) and its initialization), then wrap "
                     "it (distamp.fsdp.fully_shard takes a model wholly on the meta device)"
                 )
+            if param.dtype != torch.float32 and inner is not None and pname.startswith(inner + "."):
+                # (an audit: an O2 teacher held by an O1 model was told not to call .half())
+                raise ValueError(
+                    f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "
+                    f"torch.float32: it belongs to {inner!r}, wrapped by distamp.wrap already "
+                    "(its opt_level cast it). Wrap the plain FP32 model once (its opt_level covers "
+                    "every submodule), or keep the wrapped one outside it"
+                )
             if param.dtype != torch.float32:
                 raise ValueError(
                     f"{where}: parameter {pname!r} has dtype {param.dtype}, expected "

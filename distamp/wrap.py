@@ -198,9 +198,10 @@ def wrap(
             warn_from_caller(
                 f"distamp.wrap: sharded masters keep the weights as contiguous views of one flat "
                 f"buffer, so {strided[:3]}{' and others' if len(strided) > 3 else ''} lose their "
-                "memory format (channels_last): with channels_last inputs DDP then warns "
-                '"Grad strides do not match bucket view strides" (a copy per gradient, values '
-                "unchanged); shard_master_weights=False keeps the format",
+                "strides (a memory format such as channels_last, a transposed layout): their "
+                "forward kernels round differently from a replicated run's (within an ulp), and "
+                'with channels_last inputs DDP warns "Grad strides do not match bucket view '
+                'strides" (a copy per gradient); shard_master_weights=False keeps them',
             )
     masters: list[MasterWeights] = [
         ShardedMasterParams.take(opt, cast_ids, group, fp32_weights=not props.master_weights)

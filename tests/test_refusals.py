@@ -131,6 +131,13 @@ def test_a_wrapped_submodule_under_a_casting_wrap_is_refused_by_name(outer):
     assert model(torch.randn(2, 4)).dtype == torch.bfloat16  # O1: autocast's output
 
 
+def test_a_cast_wrapped_submodule_under_o1_is_named_as_wrapped_not_as_half():
+    """An O2 teacher held by a model wrapped at O1 was told not to call .half() (an audit)."""
+    teacher = distamp.wrap(nn.Linear(4, 4), opt_level="O2")
+    with pytest.raises(ValueError, match=r"'1.weight' has dtype .* belongs to '1', wrapped"):
+        distamp.wrap(nn.Sequential(nn.Linear(4, 4), teacher), opt_level="O1")
+
+
 def test_a_lazy_module_is_refused_by_name_before_its_first_forward():
     """torch's "Can't access the shape of an uninitialized parameter ... load_state_dict" came
     out of wrap's checks (an audit)."""

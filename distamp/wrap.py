@@ -39,7 +39,7 @@ from .config import (
     warn_from_caller,
 )
 from .forensics import NonFiniteReport
-from .masters.base import MasterWeights, grad_version, local_tensor, strided_sample
+from .masters.base import MasterWeights, grad_version, local_tensor
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
     AmpOptimizer,
@@ -1061,19 +1061,8 @@ def clip_grad_norm_(
         st.masters.expose_clipped(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     elif st.masters.separate_params():
         # still scaled and unclipped: an edit now would not reach the masters (said at step)
-        st.clipped_grads = [
-            (p, grad_version(p), _grad_sample(p)) for p in st.masters.separate_params()
-        ]
+        st.clipped_grads = [(p, grad_version(p)) for p in st.masters.separate_params()]
     return total
-
-
-def _grad_sample(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A copy of a few values of ``param``'s dense gradient (see
-    ``masters.optimizer._warn_if_edited_after_clip``)."""
-    grad = param.grad
-    if grad is None or grad.layout != torch.strided:
-        return None
-    return strided_sample(grad.detach().reshape(-1)).clone()
 
 
 def _nonfinite_norm(total: float, norm_type: float) -> None:

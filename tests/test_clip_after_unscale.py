@@ -171,21 +171,6 @@ def test_a_gradient_edited_after_distamp_clip_following_unscale_reaches_the_step
         assert not r["said"]
 
 
-def test_a_norm_logged_in_place_after_distamp_clip_is_no_edit():
-    """torch's clip_grad_norm_(..., inf) to log a norm multiplies every .grad by 1.0 in place:
-    the versions move, the values do not; it was warned about as an edit (an audit)."""
-    model = Probes()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    with distamp.scale_loss(model(G, H).float(), opt) as scaled:
-        scaled.backward()
-    distamp.clip_grad_norm_(opt, MAX_NORM)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt.step()
-
-
 @pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)])
 def test_a_gradient_edited_after_distamp_clip_alone_is_said_at_step(shard, world):
     """Without unscale_ the model's .grad still carry the loss scale and the masters hold what

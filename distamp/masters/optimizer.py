@@ -32,7 +32,7 @@ from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES, warn_from_caller
 from ..forensics import NonFiniteGradientError, NonFiniteReport
 from ..optstate import HELD, OptState
-from .base import grad_version, local_tensor, strided_sample
+from .base import grad_version, local_tensor
 from .nonfinite import nonfinite_flag
 from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
 from .sharded import ShardedMasterParams
@@ -84,9 +84,7 @@ class AmpOptimizerState:
         self.scaled_sample: torch.Tensor | None = None
         """Under FSDP, ``scaled_grad_sample()`` at the end of that block (the same Note)."""
         self.warned_touched_scaled = False
-        self.clipped_grads: (
-            list[tuple[nn.Parameter, tuple[int, int] | None, torch.Tensor | None]] | None
-        ) = None
+        self.clipped_grads: list[tuple[nn.Parameter, tuple[int, int] | None]] | None = None
         """After ``distamp.clip_grad_norm_`` unscaled and clipped the masters' gradients alone
         (no ``unscale_`` before it): the model's gradients and their versions then, which an
         edit before ``step()`` moves (see :func:`_warn_if_edited_after_clip`)."""
@@ -1454,14 +1452,6 @@ def _scaled_grads_touched(st: AmpOptimizerState) -> bool | torch.Tensor:
     return (now != st.scaled_sample).any()
 
 
-def _same_sample(param: nn.Parameter, sample: torch.Tensor | None) -> bool:
-    grad = param.grad
-    if grad is None or sample is None or grad.layout != torch.strided:
-        return False
-    with torch.no_grad():
-        return torch.equal(strided_sample(grad.detach().reshape(-1)), sample)
-
-
 def _warn_if_edited_after_clip(st: AmpOptimizerState) -> None:
     """A model gradient edited after ``distamp.clip_grad_norm_`` (with no ``unscale_`` before
     it) does not reach the masters, which hold the unscaled, clipped gradients that step: the
@@ -1470,13 +1460,7 @@ def _warn_if_edited_after_clip(st: AmpOptimizerState) -> None:
     clipped, st.clipped_grads = st.clipped_grads, None
     if clipped is None or st.warned_edited_after_clip:
         return
-    # moved, and a sampled value differs: a norm logged in place (a multiply by 1.0) is no edit
-    # (an audit: torch's clip_grad_norm_(..., inf) for logging was warned about)
-    edited = [
-        p
-        for p, version, sample in clipped
-        if grad_version(p) != version and not _same_sample(p, sample)
-    ]
+    edited = [p for p, version in clipped if grad_version(p) != version]
     if not edited:
         return
     st.warned_edited_after_clip = True

@@ -171,6 +171,20 @@ def test_a_gradient_edited_after_distamp_clip_following_unscale_reaches_the_step
         assert not r["said"]
 
 
+def test_one_row_edited_after_distamp_clip_alone_is_said_at_step():
+    """A row of an embedding's gradient zeroed after the clip (a frozen token): a comparison of
+    sampled values missed it and the edit was dropped silently (an audit)."""
+    model = nn.Embedding(1000, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    with distamp.scale_loss(model(torch.arange(0, 1000, 7)).float().pow(2).mean(), opt) as s:
+        s.backward()
+    distamp.clip_grad_norm_(opt, 1.0)
+    model.weight.grad[7] = 0  # a token the batch used
+    with pytest.warns(UserWarning, match=r"'weight' changed after distamp.clip_grad_norm_"):
+        opt.step()
+
+
 @pytest.mark.parametrize(("shard", "world"), [(False, 1), (True, 2)])
 def test_a_gradient_edited_after_distamp_clip_alone_is_said_at_step(shard, world):
     """Without unscale_ the model's .grad still carry the loss scale and the masters hold what

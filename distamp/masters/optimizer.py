@@ -1465,6 +1465,9 @@ def _warn_if_edited_after_clip(st: AmpOptimizerState) -> None:
         return
     st.warned_edited_after_clip = True
     names = [st.group.param_names.get(id(p), "?") for p in edited[:3]]
+    # Any in-place touch counts, a norm logged through torch's clip_grad_norm_(..., inf) too (it
+    # reads the scaled values): a sample of values missed a row or one element edited (an
+    # audit), and a full comparison would cost a pass over every gradient at each clip.
     _warn(
         f"optimizer.step(): the .grad of {', '.join(map(repr, names))}"
         f"{' and others' if len(edited) > 3 else ''} changed after distamp.clip_grad_norm_, "

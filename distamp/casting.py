@@ -140,6 +140,10 @@ def cast_floating(
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # A copy with every field cast: dataclasses.replace dropped the fields declared
         # init=False (set after construction: an auxiliary loss came back None, an audit).
+        # One met again inside its own fields (a tree node's .parent) is kept as it is.
+        if id(value) in _seen:
+            return value
+        inner = _seen | {id(value)}
         instance: Any = value
         out = copy.copy(instance)
         for f in dataclasses.fields(instance):
@@ -147,7 +151,7 @@ def cast_floating(
                 object.__setattr__(
                     out,
                     f.name,
-                    cast_floating(getattr(value, f.name), dtype, saturate=saturate, _seen=_seen),
+                    cast_floating(getattr(value, f.name), dtype, saturate=saturate, _seen=inner),
                 )
         return out
     if callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
@@ -164,18 +168,20 @@ def tensors_in(value: Any, _seen: frozenset[int] = frozenset()) -> Iterator[torc
         yield value
     elif isinstance(value, (str, bytes, int, float, bool)) or value is None:
         return
+    elif id(value) in _seen:  # (a back-reference: a tree node's .parent, an audit)
+        return
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from tensors_in(item, _seen)
+            yield from tensors_in(item, _seen | {id(value)})
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from tensors_in(item, _seen)
+            yield from tensors_in(item, _seen | {id(value)})
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            yield from tensors_in(getattr(value, f.name, None), _seen)
+            yield from tensors_in(getattr(value, f.name, None), _seen | {id(value)})
     elif callable(getattr(value, "to", None)) and not isinstance(value, nn.Module):
         fields = getattr(value, "__dict__", None)
-        if isinstance(fields, dict) and id(value) not in _seen:
+        if isinstance(fields, dict):
             for item in fields.values():
                 yield from tensors_in(item, _seen | {id(value)})
 

@@ -208,6 +208,27 @@ class Holder:
     x: torch.Tensor
 
 
+@dataclasses.dataclass
+class Node:
+    x: torch.Tensor
+    parent: "Node | None" = None
+    children: list = dataclasses.field(default_factory=list)
+
+
+def test_function_helpers_and_the_input_cast_take_a_dataclass_with_a_back_reference():
+    """A tree node whose child points back at it: the walk of dataclasses recursed without end
+    (RecursionError) where the helpers used to pass it through (an audit)."""
+    root = Node(torch.ones(2))
+    child = Node(torch.ones(2), parent=root)
+    root.children.append(child)
+    assert amp.float_function(lambda n: n.x * 2)(child).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert amp.half_function(lambda n: n.x.dtype)(child) == torch.bfloat16
+    cast = distamp.casting.cast_floating(child, torch.bfloat16)
+    assert cast.x.dtype == torch.bfloat16 and cast.parent.x.dtype == torch.bfloat16
+    assert child.x.dtype == torch.float32 and root.x.dtype == torch.float32
+
+
 class PartlyFP32(nn.Module):
     """apex's documented use of disable_casts: one computation inside forward kept out of O1."""
 

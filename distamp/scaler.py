@@ -840,6 +840,13 @@ class ScalerGroup:
             if tail:
                 values, tail = values[: -len(tail)], values[-len(tail) :]
                 early = tail[0]
+            if tail and tail[3] != -tail[4]:
+                self._refuse_different_deciders(st, api, tail[3], -tail[4])
+            if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
+                self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
+            if tail and tail[1] != -tail[2]:
+                self._refuse_different_block_kinds(st, undecided, api)
+            # (after the counts: a rank with no blocks at all is told by them, more precisely)
             if tail and tail[5] > 0 and not st.refusing:
                 raise RuntimeError(
                     f"{api}: expected every rank of distamp.wrap's process_group to step on "
@@ -849,12 +856,6 @@ class ScalerGroup:
                     "usual cause: one rank's loop differs (an extra step(), a zero_grad on "
                     "some ranks only, a batch skipped)"
                 )
-            if tail and tail[3] != -tail[4]:
-                self._refuse_different_deciders(st, api, tail[3], -tail[4])
-            if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
-                self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
-            if tail and tail[1] != -tail[2]:
-                self._refuse_different_block_kinds(st, undecided, api)
             st.early_anywhere = early > 0
             for block in undecided:
                 block.early = early > 0

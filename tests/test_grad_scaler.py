@@ -401,23 +401,31 @@ def test_ranks_whose_optimizers_hold_other_parameter_counts_raise_together():
     assert first is not None and "parameter #4 of rank 1's optimizer" in first, first
 
 
-def _one_rank_unscales_an_optimizer_early(rank, world, which):
-    """Two same-shaped models, one GradScaler; rank 0 alone unscales one optimizer to log its
-    norm, an inf in the second optimizer's gradients on rank 1 only."""
+def _two_optimizers_one_scaler(rank, world, early, inf=True, steps=2, replace_at=None):
+    """Two same-shaped models, one GradScaler. ``early`` (0, 1 or None): the optimizer rank 0
+    alone unscales first (to log its norm), from iteration ``replace_at or 0`` on; ``inf``: an
+    inf in the second optimizer's gradients on rank 1 only; ``replace_at``: o0 replaced by a new
+    optimizer then, rank 0 keeping the old one alive (a logger's reference), rank 1 freeing it."""
     m0, m1 = mlp(seed=0), mlp(seed=1)
     o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
     o1 = torch.optim.SGD(m1.parameters(), lr=0.05)
     d0, d1 = DDP(m0), DDP(m1)
     scaler = distamp.GradScaler(init_scale=1024.0)
+    kept = []
     try:
-        for x, y in data(2, 8 * world):
+        for it, (x, y) in enumerate(data(steps, 8 * world)):
+            if it == replace_at:
+                if rank == 0:
+                    kept.append(o0)
+                o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
+                gc.collect()
             x, y = x[rank::world], y[rank::world]
             scaler.scale(F.mse_loss(d0(x), y)).backward()
             scaler.scale(F.mse_loss(d1(x), y)).backward()
-            if rank == 1:
+            if inf and rank == 1:
                 m1[0].weight.grad[0, 0] = float("inf")
-            if rank == 0:
-                scaler.unscale_((o0, o1)[which])
+            if early is not None and it >= (replace_at or 0) and rank == 0:
+                scaler.unscale_((o0, o1)[early])
             scaler.step(o0)
             scaler.step(o1)
             scaler.update()
@@ -432,7 +440,7 @@ def test_a_rank_unscaling_another_optimizer_than_its_peers_is_refused_on_every_r
     """Rank 0's early unscale_ of the second optimizer paired its decision with rank 1's first
     optimizer: rank 0 skipped o0 and stepped o1, rank 1 the reverse, and the ranks' weights
     parted silently (an audit)."""
-    for message in run_ranks(_one_rank_unscales_an_optimizer_early, 2, 1, timeout=120):
+    for message in run_ranks(_two_optimizers_one_scaler, 2, 1, timeout=120):
         assert isinstance(message, str), "expected a refusal"
         assert "expected every rank to decide the same optimizer" in message, message
         assert "stepped #1 on some ranks and #2 on others" in message, message
@@ -441,41 +449,10 @@ def test_a_rank_unscaling_another_optimizer_than_its_peers_is_refused_on_every_r
 def test_a_rank_unscaling_the_first_optimizer_alone_is_fine():
     """The same early unscale_ of the optimizer every rank decides first pairs with it: the
     ranks skip the same (the second) optimizer and stay identical."""
-    first, second = run_ranks(_one_rank_unscales_an_optimizer_early, 2, 0, timeout=120)
+    first, second = run_ranks(_two_optimizers_one_scaler, 2, 0, timeout=120)
     assert not isinstance(first, str) and not isinstance(second, str), (first, second)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
-
-
-def _an_optimizer_replaced_mid_training(rank, world, early):
-    """o0 replaced by a new optimizer after two iterations; rank 0 keeps the old one alive (a
-    logger's reference), rank 1 frees it. ``early``: rank 0 alone then unscales o1 first."""
-    m0, m1 = mlp(seed=0), mlp(seed=1)
-    o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
-    o1 = torch.optim.SGD(m1.parameters(), lr=0.05)
-    d0, d1 = DDP(m0), DDP(m1)
-    scaler = distamp.GradScaler(init_scale=1024.0)
-    kept = []
-    try:
-        for it, (x, y) in enumerate(data(4, 8 * world)):
-            if it == 2:
-                if rank == 0:
-                    kept.append(o0)
-                o0 = torch.optim.SGD(m0.parameters(), lr=0.05)
-                gc.collect()
-            x, y = x[rank::world], y[rank::world]
-            scaler.scale(F.mse_loss(d0(x), y)).backward()
-            scaler.scale(F.mse_loss(d1(x), y)).backward()
-            if early and it >= 2 and rank == 0:
-                scaler.unscale_(o1)
-            scaler.step(o0)
-            scaler.step(o1)
-            scaler.update()
-            o0.zero_grad()
-            o1.zero_grad()
-    except RuntimeError as exc:
-        return str(exc)
-    return [p.detach().clone() for p in (*m0.parameters(), *m1.parameters())]
 
 
 def test_an_optimizer_replaced_mid_training_keeps_the_order_on_every_rank():
@@ -483,11 +460,11 @@ def test_an_optimizer_replaced_mid_training_keeps_the_order_on_every_rank():
     (at other times on other ranks): a kept reference on one rank was refused as a mismatch,
     and a replaced optimizer took a live one's place, letting a real mismatch through (an
     audit)."""
-    first, second = run_ranks(_an_optimizer_replaced_mid_training, 2, False, timeout=120)
+    first, second = run_ranks(_two_optimizers_one_scaler, 2, None, False, 4, 2, timeout=120)
     assert not isinstance(first, str) and not isinstance(second, str), (first, second)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
-    for message in run_ranks(_an_optimizer_replaced_mid_training, 2, True, timeout=120):
+    for message in run_ranks(_two_optimizers_one_scaler, 2, 1, False, 4, 2, timeout=120):
         assert isinstance(message, str) and "stepped #2 on some ranks and #3" in message, message
 
 

@@ -1,6 +1,7 @@
 """distamp.GradScaler: torch.amp.GradScaler's API, one decision on every rank, FP16 gradients."""
 
 import gc
+import inspect
 import re
 import warnings
 
@@ -179,15 +180,26 @@ def test_torch_grad_scaler_on_a_wrapped_optimizer_with_masters_is_refused_by_nam
         assert unchanged and not left
 
 
-def test_a_framework_asking_whether_a_wrapped_o2_optimizer_unscales_itself_gets_the_refusal():
-    """Lightning's 16-mixed reads _step_supports_amp_scaling before its clipping and unscale_:
-    a True sent it to "Gradient clipping is not implemented for optimizers handling the
-    unscaling", which never named distamp or O2 (an audit)."""
+def test_a_framework_asking_whether_a_wrapped_o2_optimizer_unscales_itself_gets_an_answer():
+    """Lightning reads _step_supports_amp_scaling before its clipping, in bf16-mixed too where no
+    scaler exists: the refusal raised from the read broke `hasattr` and a working bf16-mixed
+    fit with gradient_clip_val (an audit). Only torch's GradScaler.step is refused."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    assert getattr(opt, "_step_supports_amp_scaling", True) is False
+    assert hasattr(opt, "_step_supports_amp_scaling")
+    inspect.getmembers(opt)
+    # ...and torch's scaler driving it still meets the refusal (a subclass's inherited step too)
+
+    class Scaler(torch.amp.GradScaler):
+        pass
+
+    scaler = Scaler("cpu", init_scale=4.0)
+    x, y = next(iter(data(1, 4)))
+    scaler.scale(F.mse_loss(model(x.half()).float(), y)).backward()
     with pytest.raises(RuntimeError, match=r"^torch.amp.GradScaler: this optimizer was wrapped"):
-        getattr(opt, "_step_supports_amp_scaling", False)
+        scaler.step(opt)
 
 
 def test_torch_grad_scaler_on_a_wrapped_o1_optimizer_still_steps_fused_or_not():
@@ -399,6 +411,30 @@ def test_ranks_whose_optimizers_hold_other_parameter_counts_raise_together():
     assert "SGD #0 param_groups[0]['params'][4] (shape (4, 4))" in second, second
     assert "on rank 1" in second, second
     assert first is not None and "parameter #4 of rank 1's optimizer" in first, first
+
+
+def _stages_of_one_size(rank, world):
+    """Two pipeline stages holding 2 parameters each, of other shapes; rank 1's first gradient
+    is NaN."""
+    torch.manual_seed(rank)
+    stage = torch.nn.Linear(8, 16) if rank == 0 else torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    scaler = distamp.GradScaler(max_consecutive_skips=1)
+    scaler.scale(stage(torch.randn(2, stage.in_features)).sum()).backward()
+    if rank == 1:
+        stage.weight.grad[0, 0] = float("nan")
+    scaler.step(opt)
+    with pytest.raises(distamp.NonFiniteGradientError) as caught:
+        scaler.update()
+    return str(caught.value)
+
+
+def test_ranks_whose_optimizers_hold_as_many_other_parameters_name_the_culprit_alike():
+    """Equal counts were taken for the same parameters: rank 0 named its own first parameter's
+    shape (16, 8) for rank 1's culprit (an audit)."""
+    first, second = run_ranks(_stages_of_one_size, 2, timeout=120)
+    assert "(shape (4, 16))" in second and "on rank 1" in second, second
+    assert "parameter #0 of rank 1's optimizer" in first and "(16, 8)" not in first, first
 
 
 def _two_optimizers_one_scaler(rank, world, early, inf=True, steps=2, replace_at=None):

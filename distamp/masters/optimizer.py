@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import weakref
 import zlib
 from collections import defaultdict
@@ -289,18 +290,17 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """[Note: torch's GradScaler on masters] Read only by code about to drive the optimizer
-        with torch.amp.GradScaler (torch's ``GradScaler.step``; Lightning's 16-mixed before its
-        ``unscale_``/clipping). Where the optimizer steps FP32 masters (O2, sharded, distamp.fsdp)
-        it raises distamp's refusal before any step (a script's own ``scaler.unscale_`` first
-        has divided what it reaches, the FP32 norms' gradients at O2): torch's scaler
-        unscaled what param_groups hold — masters with no gradient yet — and distamp's step
-        took the model's gradients, still scaled, as unscaled (an audit's O2 update was 1024x
-        too large, after one warning); a True instead sent Lightning's clipping to "not
-        implemented for optimizers handling the unscaling". Elsewhere the inner class's own
-        value (a fused Adam's True)."""
+        """[Note: torch's GradScaler on masters] Where the optimizer steps FP32 masters (O2,
+        sharded, distamp.fsdp) and the reader is torch's ``GradScaler.step`` (the one place it
+        reads this, before it unscales or steps), distamp's refusal is raised: torch's scaler
+        unscaled what param_groups hold — masters with no gradient yet — and distamp's step took
+        the model's gradients, still scaled, as unscaled (an audit's O2 update was 1024x too
+        large, after one warning). Any other read answers: Lightning reads it before clipping
+        in bf16-mixed too, where no scaler exists (raising there refused a working script, an
+        audit; a True sends its clipping to "not implemented for optimizers handling the
+        unscaling"). The answer is the inner class's own value (a fused Adam's True)."""
         st = self.__dict__.get("_distamp")
-        if st is not None and holds_masters(st):
+        if st is not None and holds_masters(st) and _read_by_torch_scaler_step(sys._getframe(1)):
             refuse_external_scaler(st, "torch.amp.GradScaler")
         if "_step_supports_amp_scaling" in self.__dict__:
             return bool(self.__dict__["_step_supports_amp_scaling"])
@@ -599,6 +599,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("distamp", None)
         st = self._distamp
+        if isinstance(st.masters, ShardedMasterParams):
+            # The last step's gather still in flight (overlap_gather) applies its 16-bit update
+            # to the shard when it lands: after the load, on top of the loaded masters (an
+            # audit: a rollback kept the newer weights with the older moments, silently).
+            st.masters.finish_gather()
         if extra is None and _steps_the_models_own_params(st):
             _check_inner_state(self, state_dict)
             super().load_state_dict(state_dict)
@@ -669,6 +674,21 @@ def holds_masters(st: AmpOptimizerState) -> bool:
     inside ``step()`` (O2, sharded masters, distamp.fsdp): a GradScaler's ``unscale_`` cannot
     reach the gradients it steps."""
     return st.masters.fsdp or st.group.props.master_weights or st.masters.sharded
+
+
+def _read_by_torch_scaler_step(frame: Any) -> bool:
+    """Whether ``frame``, or one of the few above it (an optimizer wrapper forwarding the read),
+    is torch's ``GradScaler.step`` (a subclass's too: FSDP's ShardedGradScaler) about to drive
+    an optimizer."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "step" and isinstance(
+            frame.f_locals.get("self"), torch.amp.GradScaler
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def refuse_external_scaler(st: AmpOptimizerState, scaler: str) -> None:
@@ -771,13 +791,16 @@ def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:
     group = st.group
     local = bool(flag)
     nan = local and any(bool(torch.isnan(g).any()) for g in grads)
+    # the lowest rank holding one, with its own kind in the last base-3 digit (two slots MAX-
+    # reduced apart paired rank 0's inf with rank 1's NaN, an audit)
     vector = torch.tensor(
-        [float(group.world - group.rank) if local else 0.0, 2.0 if nan else float(local)],
+        [float((group.world - group.rank) * 3 + (2 if nan else 1)) if local else 0.0],
+        dtype=torch.float64,
         device=device,
     )
     if group.process_group is not None and group.world > 1:
         all_reduce_(vector, dist.ReduceOp.MAX, group.process_group)
-    code, kind = (int(v) for v in vector.tolist())
+    code, kind = divmod(int(vector.item()), 3)
     if not code:
         return None
     rank = group.world - code

@@ -321,6 +321,8 @@ def _edit_after_unscale(rank, world, level, shard, hook, who):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if step == 1 and who == "one rank" and rank == 0:  # (sharded: in the part it steps)
             next(model.parameters()).grad.fill_(float("inf"))
+        if step == 1 and who == "an inf here, a NaN there":
+            next(model.parameters()).grad.fill_(float("inf") if rank == 0 else float("nan"))
         if step == 1 and who == "every rank":
             grad = model[-1].bias.grad
             grad.zero_().div_(grad.norm())  # 0/0: NaN
@@ -339,12 +341,13 @@ def _edit_after_unscale(rank, world, level, shard, hook, who):
     [("O1", None, False), ("O2", False, True), ("O2", True, True), ("O0", True, True)],
     ids=["O1", "O2-replicated", "O2-sharded", "O0-sharded"],
 )
-@pytest.mark.parametrize("who", ["one rank", "every rank"])
+@pytest.mark.parametrize("who", ["one rank", "every rank", "an inf here, a NaN there"])
 def test_a_gradient_made_non_finite_after_unscale_skips_the_step_on_every_rank(
     level, shard, hook, who
 ):
     """An audit: the early decision of unscale_ stepped it — NaN weights on one rank (the ranks
-    parted), or NaN FP32 masters the gather spread to every rank."""
+    parted), or NaN FP32 masters the gather spread to every rank. Rank 0's inf and rank 1's NaN
+    were reported as "a NaN on rank 0" (the rank and the kind reduced apart, an audit)."""
     results = run_ranks(_edit_after_unscale, 2, level, shard, hook, who)
     for seen, weights in results:
         assert [s[0] for s in seen] == [False, True, False], seen

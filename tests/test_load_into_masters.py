@@ -209,6 +209,49 @@ def test_weights_written_in_place_after_wrap_reach_the_masters(shard, world, hoo
     assert run_ranks(_written_in_place, world, shard, hook) == [True] * world
 
 
+def _rollback_while_gathering(rank, world, opt_level):
+    """optimizer.load_state_dict right after a step whose bf16-update gather is still in flight
+    (a rollback after a bad step): the gather landed after the load, on top of the loaded
+    masters, and the rank kept the newer weights with the older moments (an audit)."""
+    model = mlp(8, 32, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(
+        model, opt, opt_level=opt_level, shard_master_weights=True, verbosity=0
+    )
+    net = nn.parallel.DistributedDataParallel(model)
+    distamp.hooks.register(
+        net, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+    )
+    batches = data(2, 4 * world)
+
+    def step(i):
+        x, y = batches[i]
+        loss = F.mse_loss(net(x[rank * 4 : rank * 4 + 4]).float(), y[rank * 4 : rank * 4 + 4])
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    saved = opt.state_dict()  # (waits for the gather)
+    weights = [p.detach().clone() for p in model.parameters()]
+    step(1)  # its gather left in flight
+    opt.load_state_dict(saved)
+    masters = opt.state_dict()["distamp"]["masters"]
+    same_masters = all(
+        torch.equal(a, b) for a, b in zip(masters, saved["distamp"]["masters"], strict=True)
+    )
+    same_weights = all(
+        torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters(), strict=True)
+    )
+    return same_masters, same_weights
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_loading_an_optimizer_state_while_a_gather_is_in_flight_restores_it(opt_level):
+    assert run_ranks(_rollback_while_gathering, 2, opt_level) == [(True, True)] * 2
+
+
 def test_optimizer_state_loaded_before_wrap_is_named():
     """nanoGPT's resume order: optimizer.load_state_dict(ckpt["optimizer"]) right after the
     optimizer is built, before wrap. torch drops the saved "distamp" entry (FP32 masters,

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import warnings
 import weakref
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -252,7 +253,17 @@ class GradScaler:
         # stepped yet takes the next place) pairs with it. The first iteration of a script that
         # unscales another one early is refused at its next collective.
         order = float(self._order.get(optimizer, self._stepped))
-        sizes = torch.tensor([order, -order, listed, -listed], dtype=torch.float64, device=device)
+        # The shapes too: ranks listing as many parameters (a pipeline's stages of two each) are
+        # not listing the same ones (an audit: rank 0 named its own parameter's shape for rank
+        # 1's culprit)
+        shapes = float(
+            zlib.crc32(
+                repr([tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]).encode()
+            )
+        )
+        sizes = torch.tensor(
+            [order, -order, listed, -listed, shapes, -shapes], dtype=torch.float64, device=device
+        )
         flags = torch.cat(
             [
                 flag.double(),
@@ -265,7 +276,7 @@ class GradScaler:
             all_reduce_(flags, dist.ReduceOp.MAX, group)
         values = flags.tolist()
         found_inf, none = values[0] > 0, values[1] > 0
-        first, last = -values[-3], values[-4]
+        first, last = -values[-5], values[-6]
         if first != last:
             raise RuntimeError(
                 "GradScaler.unscale_: expected every rank to decide the same optimizer in this "
@@ -294,8 +305,8 @@ class GradScaler:
             named,
             world,
             # where the ranks list other parameters (a pipeline's stages), only the culprit
-            # names its own; where they list as many (DDP), every rank names it
-            own_rank=None if values[-2] == -values[-1] else rank,
+            # names its own; where they list the same (DDP), every rank names it
+            own_rank=None if values[-4] == -values[-3] and values[-2] == -values[-1] else rank,
         )
         if report is not None:
             if group is not None and world > 1:  # named by the global rank

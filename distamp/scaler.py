@@ -97,6 +97,13 @@ class LossScaler:
             _positive("init_scale", init_scale)
         if loss_scale != "dynamic":
             _positive("loss_scale", loss_scale)
+            if 1.0 / float(loss_scale) > torch.finfo(torch.float32).max:
+                # (an audit: accepted here, the first step crashed inside torch converting
+                # 1 / scale to FP32)
+                raise ValueError(
+                    f"loss_scale: expected a static scale whose inverse is a finite FP32 number "
+                    f"(at least {MIN_SCALE:g}, 2**-100, is safe), got {float(loss_scale):g}"
+                )
         if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale > 0):
             raise ValueError(f"max_loss_scale: expected a positive number, got {max_loss_scale!r}")
         if loss_scale == "dynamic" and init_scale is not None and init_scale > max_loss_scale:
@@ -133,6 +140,13 @@ class LossScaler:
             # apex: the default start (2**16) is capped by max_loss_scale; an explicit
             # init_scale above it was refused above
             scale = min(INIT_SCALE if init_scale is None else init_scale, max_loss_scale)
+            if scale < MIN_SCALE:
+                # (an audit: raised silently, where update(new_scale=) and a load say it)
+                warnings.warn(
+                    f"init_scale {scale:g} is below the dynamic scale's floor 2**-100 (1 / scale "
+                    f"must stay a finite FP32 number): starting at {MIN_SCALE:g}",
+                    stacklevel=3,
+                )
             # never below the floor: 1 / scale must stay a finite FP32 number
             scale = max(scale, min_loss_scale or 0.0, MIN_SCALE)
         else:

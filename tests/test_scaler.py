@@ -81,7 +81,10 @@ def test_without_min_loss_scale_the_floor_keeps_the_inverse_finite():
 def test_a_loaded_or_initial_scale_below_the_floor_is_raised_to_it():
     """A saved 2**-130 (a run that walked past the floor before it existed) loaded silently and
     the next step crashed inside torch (an audit)."""
-    assert LossScaler(init_scale=2.0**-130).scale == 2.0**-100
+    with pytest.warns(UserWarning, match=r"init_scale 7.3\d*e-40 is below .* floor 2\*\*-100"):
+        assert LossScaler(init_scale=2.0**-130).scale == 2.0**-100
+    with pytest.warns(UserWarning, match=r"init_scale .* below .* floor"):  # torch's API too
+        assert distamp.GradScaler(init_scale=2.0**-110).get_scale() == 2.0**-100
     s = LossScaler()
     with pytest.warns(UserWarning, match=r"loss scale 7.3\d*e-40 is outside .*the floor 2\*\*-100"):
         s.set_loaded_scale(2.0**-130, "the checkpoint's")
@@ -117,6 +120,13 @@ def test_a_static_scale_has_no_floor():
         s = LossScaler(scale, min_loss_scale=floor)
         s.update(True)
         assert (s.scale, s.skipped_at_floor, s.consecutive_skips) == (scale, False, 1)
+
+
+def test_a_static_scale_whose_inverse_overflows_fp32_is_refused():
+    """Accepted, then the first step crashed inside torch converting 1 / scale (an audit)."""
+    with pytest.raises(ValueError, match=r"loss_scale: expected a static scale whose inverse"):
+        LossScaler(2.0**-130)
+    assert LossScaler(2.0**-110).scale == 2.0**-110  # a finite inverse still works
 
 
 def test_static_scale_never_changes():

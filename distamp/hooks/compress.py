@@ -139,7 +139,15 @@ class CompressState:
         ):
             # Backward stalls here while the wire lags (named for torch.profiler).
             with torch.autograd.profiler.record_function("distamp: wait for a bucket in flight"):
-                self._in_flight.popleft().wait()  # releases the GIL: the callbacks run meanwhile
+                future = self._in_flight.popleft()
+                try:
+                    future.wait()  # releases the GIL: the callbacks run meanwhile
+                except Exception:
+                    # A bucket that failed is DDP's to report: its finalize raises the error
+                    # once and resets the reducer. Raised here, mid-backward, it left the
+                    # reducer half-marked and the next forward failed an internal assert where
+                    # plain DDP trains on (an audit: a caught error, the batch skipped).
+                    pass
 
     def scratch(self, device: torch.device, numel: int) -> torch.Tensor:
         """The reusable FP32 stretch :func:`_divide_then_cast` divides a bucket of ``numel``

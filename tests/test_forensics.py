@@ -438,3 +438,76 @@ def test_every_optimizer_a_skipped_block_listed_gets_the_report():
         stats = distamp.stats(opt)
         assert stats.last_step_skipped and stats.last_nonfinite is not None
         assert stats.last_nonfinite.param == "models[1].weight", stats.last_nonfinite
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, *, mask):
+        return self.q(x) + mask
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x, mask=None):
+        return self.out(self.attn(x, mask=mask))
+
+
+class _Rotary(nn.Module):
+    """A cache grown to the sequence length (older Hugging Face rotary embeddings), and one
+    made at the first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", torch.ones(4, 4), persistent=False)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] > self.cos.shape[0]:
+            self.register_buffer("cos", torch.ones(x.shape[0], 4), persistent=False)
+        if not hasattr(self, "made"):
+            self.register_buffer("made", torch.ones(1))
+        return self.lin(x) * self.cos[: x.shape[0]] * self.made
+
+
+def test_find_nonfinite_reads_keyword_inputs_and_puts_back_buffers_a_forward_made_or_grew():
+    """An attention mask passed by keyword held the NaN: "from finite inputs" sent the user to
+    the wrong module; a rotary cache grown in forward (or made there) crashed the buffer restore
+    and the report was lost, the model left changed (an audit)."""
+    mask = torch.zeros(2, 4)
+    mask[0, 0] = float("nan")
+    found = distamp.debug.find_nonfinite(_Masked(), torch.randn(2, 4), mask=mask)
+    assert found is not None and found.name == "attn" and not found.inputs_finite, found
+    rotary = _Rotary()
+    cos = rotary.cos
+    assert distamp.debug.find_nonfinite(rotary, torch.randn(8, 4)) is None
+    assert rotary.cos is cos and rotary.cos.shape == (4, 4)
+    assert not hasattr(rotary, "made") and "made" not in dict(rotary.named_buffers())
+    assert "cos" not in rotary.state_dict()  # still not persistent
+
+
+def _find_nonfinite_on_one_rank(rank, world):
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
+    x = torch.randn(3, 4)
+    if rank == 0:
+        x[0, 0] = float("inf")
+        found = distamp.debug.find_nonfinite(model, x)  # on rank 0 alone: no collective
+        assert found is not None and found.name == "0", found
+    dist_barrier()
+    return True
+
+
+def dist_barrier():
+    torch.distributed.barrier()
+
+
+def test_find_nonfinite_on_a_ddp_model_runs_on_one_rank_alone():
+    """DDP's forward broadcasts its buffers: called on the rank that skipped, it aborted the job
+    (an audit). The module DDP wraps runs instead, and the names are the model's own."""
+    assert run_ranks(_find_nonfinite_on_one_rank, 2, timeout=120) == [True, True]

@@ -393,6 +393,20 @@ def _post_order(root: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _refuse_scalar_params(model: nn.Module) -> None:
+    """torch's fully_shard refuses a 0-dim parameter (CLIP's ``logit_scale``) when it reaches the
+    module holding it — the root, last, after the blocks were sharded: the model was left half
+    sharded (an audit). Named before anything is sharded."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"distamp.fsdp.fully_shard: expected parameters of at least one dimension (FSDP2 "
+            f"shards along dim 0 and refuses scalars), found 0-dim {scalars[:5]}"
+            f"{' and more' if len(scalars) > 5 else ''}: make each a 1-element tensor, e.g. "
+            "nn.Parameter(torch.tensor([value])), or use distamp.wrap + DDP"
+        )
+
+
 def _group_of_mesh(mesh: Any, process_group: dist.ProcessGroup | None, api: str) -> Any:
     """The group the scaler decides over: every rank of FSDP's mesh, which share its gradients.
 
@@ -540,6 +554,8 @@ def fully_shard(
         props = dataclasses.replace(props, shard_master_weights=world > 1)
         names = check_models([model], meta_ok=True)
         check_optimizers([optimizer], names, api="distamp.fsdp.fully_shard")
+        if api == "fsdp2":
+            _refuse_scalar_params(model)
         blocks = _check_blocks(blocks)
     check_same_on_all_ranks(
         "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group

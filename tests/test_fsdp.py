@@ -226,6 +226,29 @@ def test_shard_master_weights_is_accepted_and_false_is_refused():
         assert "shard_master_weights=False" in refused and "always shards" in refused
 
 
+def _scalar_parameter(rank, world):
+    class Clip(nn.Module):  # CLIP's logit_scale
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    model = Clip()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as caught:
+        distamp.fsdp.fully_shard(model, opt, opt_level="O0")
+    untouched = all(type(m) in (Clip, nn.ModuleList, nn.Linear) for m in model.modules())
+    return str(caught.value), untouched
+
+
+def test_a_scalar_parameter_is_named_before_anything_is_sharded():
+    """torch's fully_shard refuses a 0-dim parameter at the module holding it, the root, after
+    the blocks were sharded: the model was left half sharded (an audit)."""
+    for message, untouched in run_ranks(_scalar_parameter, 2):
+        assert "'logit_scale'" in message and "0-dim" in message, message
+        assert untouched
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 

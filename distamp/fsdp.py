@@ -308,7 +308,22 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
         classes = tuple(b for b in blocks if isinstance(b, type))
         ids = {id(b) for b in blocks if isinstance(b, nn.Module)}
         chosen = lambda m: isinstance(m, classes) or id(m) in ids  # noqa: E731
-    return [m for m in _post_order(model) if m is not model and chosen(m)]
+    out = [m for m in _post_order(model) if m is not model and chosen(m)]
+    if blocks is not None and not out and (callable(blocks) or len(blocks) > 0):
+        # A spec selecting nothing (a class imported from another model's file, a predicate
+        # bug): the model was one unit, ZeRO-3's memory saving gone, silently (an audit).
+        what = (
+            getattr(blocks, "__name__", repr(blocks))
+            if callable(blocks) and not isinstance(blocks, (list, tuple))
+            else [getattr(b, "__name__", type(b).__name__) for b in blocks]
+        )
+        warn_from_caller(
+            f"distamp.fsdp.fully_shard: blocks={what} selects no submodule of the model, so it "
+            "is one unit and every forward gathers all of its weights; expected module classes "
+            "the model holds (or modules of this model, or a predicate true for some): "
+            "blocks=() keeps the model one unit, unwarned"
+        )
+    return out
 
 
 def _check_blocks(blocks: object) -> BlockSpec:

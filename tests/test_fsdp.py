@@ -1,5 +1,7 @@
 """FSDP2 through distamp.fsdp.fully_shard: matches DDP + distamp, global skip, checkpoints, order."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,6 +249,27 @@ def test_a_scalar_parameter_is_named_before_anything_is_sharded():
     for message, untouched in run_ranks(_scalar_parameter, 2):
         assert "'logit_scale'" in message and "0-dim" in message, message
         assert untouched
+
+
+def _blocks_selecting_nothing(rank, world, spec):
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    blocks = {"class": [nn.GRU], "predicate": lambda m: False, "none on purpose": ()}[spec]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distamp.fsdp.fully_shard(model, opt, opt_level="O0", blocks=blocks)
+    return [str(w.message) for w in caught if "selects no submodule" in str(w.message)]
+
+
+@pytest.mark.parametrize("spec", ["class", "predicate", "none on purpose"])
+def test_blocks_that_select_nothing_are_said(spec):
+    """A class the model does not hold (imported from another model's file) or a predicate true
+    for none left the model one unit, its memory saving gone, unwarned (an audit)."""
+    for said in run_ranks(_blocks_selecting_nothing, 2, spec):
+        if spec == "none on purpose":
+            assert said == []
+        else:
+            assert len(said) == 1 and ("GRU" in said[0] or "lambda" in said[0]), said
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

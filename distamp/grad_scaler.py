@@ -213,11 +213,15 @@ class GradScaler:
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.UNSCALED:
             raise RuntimeError(
-                "GradScaler.unscale_() has already been called on this optimizer since the last "
-                "update(); expected one unscale_ per optimizer per iteration"
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "Expected one unscale_ per optimizer per iteration (distamp.GradScaler: torch's "
+                "message)"
             )
         if stage is _Stage.STEPPED:
-            raise RuntimeError("GradScaler.unscale_() is being called after step(); call update()")
+            raise RuntimeError(
+                "unscale_() is being called after step(). Expected update() in between "
+                "(distamp.GradScaler: torch's message)"
+            )
         _refuse_master_weights(optimizer)
         grads = [
             p.grad
@@ -332,7 +336,10 @@ class GradScaler:
             )
         stage, _ = self._per_optimizer.get(id(optimizer), (_Stage.READY, False))
         if stage is _Stage.STEPPED:
-            raise RuntimeError("GradScaler.step() has already been called since the last update()")
+            raise RuntimeError(
+                "step() has already been called since the last update(). Expected update() in "
+                "between (distamp.GradScaler: torch's message)"
+            )
         if optimizer not in self._order:
             self._order[optimizer] = self._stepped
             self._stepped += 1

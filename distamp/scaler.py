@@ -37,6 +37,8 @@ from .masters.base import bit_hash, grad_samples, grad_version, local_tensor
 from .optstate import HELD, OptState
 
 if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
+
     from torch import nn
 
     from .config import Properties
@@ -630,7 +632,9 @@ class ScalerGroup:
         # pending gradients: refresh every optimizer's record (see [Note: scaled gradients
         # touched before step()]).
         for other in self.optimizers:
+            fresh = other.masters.take_fresh_reductions()
             if other.state is OptState.SCALED and not other.warned_touched_scaled:
+                other.added_after_reduce += self._added_after_reduce(other, fresh)
                 other.scaled_grads = [(p, grad_version(p)) for p in other.masters.model_params]
                 other.scaled_sample = other.masters.scaled_grad_sample()
         self._open.append(block)
@@ -769,6 +773,7 @@ class ScalerGroup:
         self.refuse_wrapped_before_init()
         st.masters.check_views(self.param_names)  # before anything changes
         edited = self._edited_reduced_grads(st)  # before unscaling touches anything
+        added = st.added_after_reduce
         own = st.masters.unscale_and_check(1.0 / st.grad_scale)
         undecided = [b for b in st.backwards if b.overflow is None]
         st.decided_here = bool(undecided) or not st.backwards
@@ -815,7 +820,9 @@ class ScalerGroup:
                 slots, loss_kinds, n_params, named, self.rank, self.world
             )
             parts.append(evidence_here.to(device))
-            parts.append(torch.tensor([float(bool(edited))], dtype=torch.float64, device=device))
+            # 2: gradients a backward added after DDP reduced them; 1: edited before unscale_
+            code = 2.0 if added else float(bool(edited))
+            parts.append(torch.tensor([code], dtype=torch.float64, device=device))
             if self.process_group is not None:  # see [Note: settings that part between ranks]
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
@@ -875,7 +882,10 @@ class ScalerGroup:
                 block.early = early > 0
             # (an edit that made a gradient non-finite is seen: the step is skipped, nothing lost)
             skipping = any(values[i] > 0 for i in range(FLAG_SLOTS))
-            if values[FLAG_SLOTS + 2 + EVIDENCE_SLOTS] > 0 and not skipping:
+            changed = values[FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
+            if changed > 1 and not skipping:
+                self._refuse_added_after_reduce(added, api)
+            if changed > 0 and not skipping:
                 self._refuse_edited_reduced_grads(edited, api)
             if self.process_group is not None:
                 at = FLAG_SLOTS + 3 + EVIDENCE_SLOTS
@@ -923,6 +933,29 @@ class ScalerGroup:
             st.early_anywhere = any(b.early for b in st.backwards)
         st.state = OptState.UNSCALED
 
+    def _added_after_reduce(self, st: AmpOptimizerState, fresh: AbstractSet[int]) -> list[str]:
+        """[Note: a backward DDP does not reduce] DDP reduces once per forward: a second backward
+        through one DDP forward (``retain_graph=True``; a GAN's generator loss through the
+        output the discriminator's loss went through; a second loss reusing an encoder's
+        output) adds to ``.grad`` with no comm hook run. On the all-reduce path the ranks'
+        gradients then part and the step is refused (the replica check); under the reduce-
+        scatter hook the step reads the shard gradients the first backward's hook wrote, and
+        the rest was dropped, silently (an audit: the run equalled one without the second
+        loss). So at each block's end, a parameter the hook reduced in an earlier block, not
+        in this one, whose ``.grad`` changed since that block's end is named; the step is
+        refused on every rank. A second backward inside one block is not seen."""
+        reduced = st.masters.reduced
+        if not reduced or not st.scaled_grads:
+            return []
+        return [
+            self.param_names.get(id(p), "?")
+            for p, version in st.scaled_grads
+            if id(p) in reduced
+            and id(p) not in fresh
+            and p.grad is not None
+            and grad_version(p) != version
+        ]
+
     def _edited_reduced_grads(self, st: AmpOptimizerState) -> list[str]:
         """Names of the parameters the reduce-scatter hook reduced whose model ``.grad`` was
         modified in place or replaced after their block's backward, before ``unscale_``.
@@ -943,6 +976,24 @@ class ScalerGroup:
             # (a .grad set to None is honoured: the parameter is not stepped)
             if id(p) in reduced and p.grad is not None and grad_version(p) != version
         ]
+
+    def _refuse_added_after_reduce(self, added: list[str], api: str) -> None:
+        """See [Note: a backward DDP does not reduce]: every rank raises."""
+        where = (
+            f"on this rank (rank {self.rank}): {added[:3]}{' and more' if len(added) > 3 else ''}"
+            if added
+            else "on another rank"
+        )
+        raise RuntimeError(
+            f"{api}: expected one backward per DDP forward under distamp.hooks.register(..., "
+            f"reduce_scatter=True), found gradients added after DDP reduced them {where}: a "
+            "second backward through one DDP forward (retain_graph=True; a GAN's generator "
+            "loss through the output the discriminator's loss went through; a second loss "
+            "reusing an output another loss's backward went through). DDP reduces once per "
+            "forward, so the step would read the first backward's gradients and drop the rest. "
+            "Sum the losses into one backward (their scale_loss blocks into one), detach what "
+            "the second loss reuses, or run the forward again for it"
+        )
 
     def _refuse_edited_reduced_grads(self, edited: list[str], api: str) -> None:
         """See [Note: edits lost under the reduce-scatter hook]: every rank raises."""

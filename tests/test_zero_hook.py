@@ -1034,3 +1034,44 @@ def test_training_goes_on_after_a_failed_bucket_as_if_its_batch_was_dropped():
     for got, want in zip(failed, dropped, strict=True):
         for name, value in want.items():
             assert torch.equal(got[name], value), name
+
+
+def _second_backward_through_one_forward(rank: int, world: int, summed: bool) -> object:
+    """A multi-task step: loss 0 through the encoder and a head, loss 1 reusing the encoder's
+    output (retain_graph=True). DDP reduces once per forward; under the reduce-scatter hook the
+    step read the first backward's shard gradients and loss 1's share of the encoder was
+    dropped, silently (an audit: the run equalled one without loss 1)."""
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(6, 8), nn.Linear(8, 3)
+    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
+    (encoder, head), opt = distamp.wrap(
+        [encoder, head], opt, opt_level="O0", shard_master_weights=True, num_losses=2,
+        verbosity=0,
+    )  # fmt: skip
+    ddp_e, ddp_h = DDP(encoder), DDP(head)
+    for ddp in (ddp_e, ddp_h):
+        distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    features = ddp_e(x)
+    first = ddp_h(features).pow(2).mean()
+    second = features.pow(2).mean()
+    try:
+        if summed:
+            with distamp.scale_loss(first + second, opt) as scaled:
+                scaled.backward()
+        else:
+            with distamp.scale_loss(first, opt, loss_id=0) as scaled:
+                scaled.backward(retain_graph=True)
+            with distamp.scale_loss(second, opt, loss_id=1) as scaled:
+                scaled.backward()
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_second_backward_through_one_ddp_forward_is_refused_on_every_rank():
+    for message in run_ranks(_second_backward_through_one_forward, 2, False, timeout=120):
+        assert message is not None and "one backward per DDP forward" in message, message
+        assert "'models[0].weight'" in message and "retain_graph=True" in message, message
+    assert run_ranks(_second_backward_through_one_forward, 2, True, timeout=120) == [None] * 2

@@ -30,6 +30,8 @@ class MasterWeights(Protocol):
     @property
     def reduced(self) -> AbstractSet[int]: ...
 
+    def take_fresh_reductions(self) -> AbstractSet[int]: ...
+
     def after_cast(self) -> None: ...
     def model_grads(self) -> list[torch.Tensor | None]: ...
     def unscale_and_check(self, inv_scale: float) -> torch.Tensor: ...
@@ -148,6 +150,10 @@ class ModelGrads:
 
     def n_reduced_grads(self) -> int:
         return 0
+
+    def take_fresh_reductions(self) -> AbstractSet[int]:
+        """ids a reduce-scatter hook reduced since the last call (sharded.py); none here."""
+        return frozenset()
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
         """grad_version of each tensor the optimizer steps that is a shard, not a whole

@@ -84,6 +84,9 @@ class AmpOptimizerState:
         block: see [Note: scaled gradients touched before step()]."""
         self.scaled_sample: torch.Tensor | None = None
         """Under FSDP, ``scaled_grad_sample()`` at the end of that block (the same Note)."""
+        self.added_after_reduce: list[str] = []
+        """Names of parameters whose ``.grad`` a backward added to after the reduce-scatter
+        hook reduced them, since the last step: see [Note: a backward DDP does not reduce]."""
         self.warned_touched_scaled = False
         self.clipped_grads: list[tuple[nn.Parameter, tuple[int, int] | None]] | None = None
         """After ``distamp.clip_grad_norm_`` unscaled and clipped the masters' gradients alone
@@ -213,6 +216,7 @@ class AmpOptimizerState:
         self.unscaled_shards = None
         self.had_grads = False
         self.clipped_grads = None
+        self.added_after_reduce = []
         self.masters.release_master_grads()
 
 

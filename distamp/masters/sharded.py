@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -98,6 +99,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         """Where each group's shard gradient starts in ``grad_buffer``."""
         self.reduced: set[int] = set()
         """ids of the parameters whose shard gradient the hook wrote since the last step."""
+        self.fresh: set[int] = set()
+        """Those of ``reduced`` written since :meth:`take_fresh_reductions` (a block's end)."""
         self.block = BLOCK
         """Elements per block of every group's shard ([Note: block-cyclic shards])."""
         self.write_samples: dict[int, tuple[tuple[int, int], tuple[torch.Tensor, ...]]] = {}
@@ -503,6 +506,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
             for chunk in chunks:
                 chunk.grad = None
         self.reduced = set()
+        self.fresh = set()
         if self.grad_buffer is None:
             self.shard_grads = [None] * len(self.shards)
         self.exposed = {}  # the model gradients unscale_ exposed are gone with them
@@ -552,6 +556,13 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     def mark_reduced(self, param_ids: frozenset[int]) -> None:
         """The hook wrote the reduced shard gradients of these parameters."""
         self.reduced |= param_ids
+        self.fresh |= param_ids
+
+    def take_fresh_reductions(self) -> AbstractSet[int]:
+        """The ids the hook reduced since the last call (see [Note: a backward DDP does not
+        reduce])."""
+        fresh, self.fresh = self.fresh, set()
+        return fresh
 
     def expose_unscaled(self, inv_scale: float) -> None:
         """See [Note: unscale_ then torch's clip_grad_norm_]. Collective when the reduce-scatter

@@ -995,12 +995,25 @@ class _Boom(Exception):
     pass
 
 
-def _failed_bucket_then_on(rank: int, world: int, fail: bool) -> dict:
-    """A bucket's reduce fails once mid-backward (injected into the hook's callback); the script
-    catches the error, drops that batch, and trains on, as it can under plain DDP. distamp's
-    hook re-raised the failed future while waiting for room for a later bucket, mid-backward:
-    DDP's reducer was left half-marked and the next forward failed an internal assert (an
-    audit)."""
+class _FailedWork:
+    """A collective that failed without moving any data (a peer lost)."""
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_exception(RuntimeError("injected: peer lost"))
+        return future
+
+    def wait(self) -> None:
+        raise RuntimeError("injected: peer lost")
+
+
+def _failed_bucket_then_on(rank: int, world: int, fail: str | None) -> dict:
+    """A bucket's reduce fails once mid-backward (``fail``: in the hook's callback, or the
+    collective itself); the script catches the error, drops that batch, and trains on, as it
+    can under plain DDP. distamp's hook re-raised the failed future while waiting for room for a
+    later bucket, mid-backward: DDP's reducer was left half-marked and the next forward failed
+    an internal assert; a failed collective was never read: backward returned and the step took
+    the receive buffer's stale values (audits)."""
     from unittest import mock
 
     import distamp.hooks.zero as zero
@@ -1018,7 +1031,13 @@ def _failed_bucket_then_on(rank: int, world: int, fail: bool) -> dict:
             raise _Boom("injected")
 
         x, y = _batch(rank, 2)
-        with mock.patch.object(zero, "_copy_runs", boom):
+        if fail == "callback":
+            patched = mock.patch.object(zero, "_copy_runs", boom)
+        else:
+            patched = mock.patch.object(
+                torch.distributed, "all_to_all_single", lambda *a, **k: _FailedWork()
+            )
+        with patched:
             with pytest.raises(RuntimeError, match="injected"):
                 loss = nn.functional.cross_entropy(ddp(x).float().flatten(0, 1), y.flatten())
                 with distamp.scale_loss(loss, opt) as scaled:
@@ -1028,9 +1047,10 @@ def _failed_bucket_then_on(rank: int, world: int, fail: bool) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_training_goes_on_after_a_failed_bucket_as_if_its_batch_was_dropped():
-    failed = run_ranks(_failed_bucket_then_on, 2, True, timeout=120)
-    dropped = run_ranks(_failed_bucket_then_on, 2, False, timeout=120)
+@pytest.mark.parametrize("fail", ["callback", "collective"])
+def test_training_goes_on_after_a_failed_bucket_as_if_its_batch_was_dropped(fail):
+    failed = run_ranks(_failed_bucket_then_on, 2, fail, timeout=120)
+    dropped = run_ranks(_failed_bucket_then_on, 2, None, timeout=120)
     for got, want in zip(failed, dropped, strict=True):
         for name, value in want.items():
             assert torch.equal(got[name], value), name

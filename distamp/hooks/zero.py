@@ -171,8 +171,13 @@ def zero_reduce_hook(
         state.buckets_scattered += 1
     grad_buffer = masters.armed_grad_buffer()
 
-    def reduce(_: Any) -> torch.Tensor:
+    def reduce(arrived: torch.futures.Future[Any]) -> torch.Tensor:
         try:
+            # A piece that failed raises here, so that DDP's finalize raises it from backward
+            # (an audit: it was never read, backward returned, and the step took the receive
+            # buffer's stale values as the reduced gradients)
+            for piece in arrived.value():
+                piece.wait()
             _reduce_into_shard()
         finally:
             state.give(send, *([recv] if pooled else []))

@@ -202,6 +202,51 @@ def test_a_framework_asking_whether_a_wrapped_o2_optimizer_unscales_itself_gets_
         scaler.step(opt)
 
 
+class _LarcLike:
+    """apex's LARC: forwards param_groups, state and step, not other attributes."""
+
+    def __init__(self, optim):
+        self.optim = optim
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def zero_grad(self):
+        self.optim.zero_grad()
+
+    def step(self):
+        return self.optim.step()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_torch_grad_scaler_through_a_wrapper_that_hides_the_attribute_is_refused(enabled):
+    """The wrapper answered no _step_supports_amp_scaling of its own: torch's scaler unscaled
+    the masters (no gradients) and distamp's step took the model's scaled gradients, a 1024x
+    update, silently (an audit). A disabled scaler just steps."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=enabled)
+    x, y = next(iter(data(1, 4)))
+    loss = F.mse_loss(model(x.half()).float(), y)
+    if enabled:
+        scaler.scale(loss).backward()
+        with pytest.raises(RuntimeError, match=r"^torch.amp.GradScaler: this optimizer was wrap"):
+            scaler.step(_LarcLike(opt))
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    else:
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        scaler.step(_LarcLike(opt))
+        assert distamp.stats(opt).steps == 1
+
+
 def test_torch_grad_scaler_on_a_wrapped_o1_optimizer_still_steps_fused_or_not():
     """Without masters torch's scaler unscales the model's own FP32 gradients, as before; a fused
     optimizer keeps its own _step_supports_amp_scaling (torch hands it grad_scale/found_inf)."""

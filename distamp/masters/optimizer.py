@@ -324,6 +324,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         found-inf flags, none when another optimizer of the same losses already decided).
         """
         loss = None
+        if holds_masters(self._distamp) and _read_by_torch_scaler_step(sys._getframe(1), 6):
+            # An optimizer wrapper that does not forward _step_supports_amp_scaling (apex's
+            # LARC) hid the read: torch's scaler then unscaled the masters and this step took
+            # the model's scaled gradients, a 1024x update (an audit). See [Note: torch's
+            # GradScaler on masters].
+            refuse_external_scaler(self._distamp, "torch.amp.GradScaler")
         if closure is not None:
             # torch.optim's contract: call it once with grad enabled, step, return its loss.
             # Lightning steps every optimizer this way (a no-op closure under manual
@@ -680,15 +686,18 @@ def holds_masters(st: AmpOptimizerState) -> bool:
     return st.masters.fsdp or st.group.props.master_weights or st.masters.sharded
 
 
-def _read_by_torch_scaler_step(frame: Any) -> bool:
-    """Whether ``frame``, or one of the few above it (an optimizer wrapper forwarding the read),
-    is torch's ``GradScaler.step`` (a subclass's too: FSDP's ShardedGradScaler) about to drive
-    an optimizer."""
-    for _ in range(4):
+def _read_by_torch_scaler_step(frame: Any, depth: int = 4) -> bool:
+    """Whether ``frame``, or one of the few above it (an optimizer wrapper forwarding the read or
+    the step), is an enabled torch ``GradScaler``'s ``step`` (a subclass's too: FSDP's
+    ShardedGradScaler) about to drive an optimizer."""
+    for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code.co_name == "step" and isinstance(
-            frame.f_locals.get("self"), torch.amp.GradScaler
+        scaler = frame.f_locals.get("self")
+        if (
+            frame.f_code.co_name in ("step", "_maybe_opt_step")
+            and isinstance(scaler, torch.amp.GradScaler)
+            and getattr(scaler, "_enabled", True)
         ):
             return True
         frame = frame.f_back

@@ -860,6 +860,7 @@ def scale_loss(
                 "without delay_unscale=True) was already called on this optimizer since the last "
                 "step(); expected step() before the next backward"
             )
+        _refuse_after_outside_backward(st, group.scalers[loss_id].scale)
     scale = group.prepare_backward(loss_id, states)
     scaled = loss.float() * scale
     watch = scaled.requires_grad and scale != 1.0 and all(st.watches_backward for st in states)
@@ -902,6 +903,33 @@ def scale_loss(
         )
     group.finish_backward(loss_id, states, scale, loss)
     group.reached_unlisted(foreign, loss_id, scale)
+
+
+def _refuse_after_outside_backward(st: Any, scale: float) -> None:
+    """[Note: a backward outside scale_loss, then a block] A backward outside ``scale_loss``
+    (``loss.backward()``, a framework's) leaves gradients at scale 1.0, which ``step()`` takes
+    as they are; a block after it in the same step adds gradients at the loss scale, and the
+    step divides the sum by it: the first backward's share shrank 65536-fold at O2, and under
+    the reduce-scatter hook a rank's own unreduced gradient was stepped (audits: silently
+    wrong updates). No unscale can undo such a sum, so the block is refused before its
+    backward, on every rank alike (the same script). Gradients cleared since (``zero_grad``,
+    also in place) are not refused, nor a block at scale 1.0 (O0's) where each rank's
+    gradients are the reduced ones (no reduce-scatter hook): the sum is right there."""
+    if st.state is not OptState.READY or not st.backward_since_step:
+        return
+    if scale == 1.0 and not st.masters.reduced:
+        return
+    held = [p for p in st.masters.model_params if p.grad is not None]
+    if not any(bool(local_tensor(p.grad).ne(0).any()) for p in held):
+        return
+    raise RuntimeError(
+        "scale_loss: expected the gradients pending since the last step() to come from "
+        "scale_loss blocks only, found gradients a backward outside scale_loss left "
+        "(loss.backward(), a framework's backward: at scale 1.0); this block's backward would "
+        "add gradients at the loss scale to them, a sum no unscale can undo. Run every "
+        "backward of the step inside scale_loss (or none: step() takes an outside backward's "
+        "gradients at scale 1.0), or clear them first (optimizer.zero_grad())"
+    )
 
 
 def _close_block(

@@ -204,3 +204,50 @@ def test_loading_fp32_weights_after_wrap_reaches_the_masters_unrounded():
     assert all(torch.equal(m, e) for m, e in zip(masters, expected, strict=True))
     train(model, opt, data(1, 4))  # lr 0: the step writes the masters back, unchanged
     assert torch.equal(model[0].weight, pretrained[0].weight.to(torch.bfloat16))
+
+
+def _outside_then_block(opt_level, clear):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = {"half_dtype": torch.float16} if opt_level != "O0" else {}
+    model, opt = distamp.wrap(model, opt, opt_level=opt_level, verbosity=0, **half)
+    (x1, y1), (x2, y2) = data(2, 4)
+    dtype = next(model.parameters()).dtype
+    mse = torch.nn.functional.mse_loss
+    mse(model(x1.to(dtype)).float(), y1).backward()  # outside a block
+    if clear == "set_to_none":
+        opt.zero_grad()
+    elif clear == "in place":
+        model.zero_grad(set_to_none=False)
+    with distamp.scale_loss(mse(model(x2.to(dtype)).float(), y2), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def test_a_block_after_a_backward_outside_scale_loss_in_one_step_is_refused():
+    """The outside backward's gradients (scale 1.0) and the block's (the loss scale) were summed
+    and divided by the scale at step(): the first backward's share shrank 65536-fold, silently
+    (an audit). Cleared in between (zero_grad, also in place), the block trains as usual."""
+    with pytest.raises(RuntimeError, match=r"^scale_loss: expected the gradients pending since"):
+        _outside_then_block("O2", None)
+    cleared = _outside_then_block("O2", "set_to_none")
+    zeroed = _outside_then_block("O2", "in place")
+    for a, b in zip(cleared, zeroed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_at_o0_a_backward_outside_scale_loss_then_a_block_sums_as_fp32_does():
+    """O0's scale is 1.0: the sum is right, and not refused."""
+    got = _outside_then_block("O0", None)
+    torch.manual_seed(0)
+    ref = mlp()
+    (x1, y1), (x2, y2) = data(2, 4)
+    torch.nn.functional.mse_loss(ref(x1), y1).backward()
+    torch.nn.functional.mse_loss(ref(x2), y2).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for a, p in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(a, p.detach(), rtol=0, atol=1e-7)

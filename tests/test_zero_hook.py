@@ -1095,3 +1095,30 @@ def test_a_second_backward_through_one_ddp_forward_is_refused_on_every_rank():
         assert message is not None and "one backward per DDP forward" in message, message
         assert "'models[0].weight'" in message and "retain_graph=True" in message, message
     assert run_ranks(_second_backward_through_one_forward, 2, True, timeout=120) == [None] * 2
+
+
+def _outside_backward_then_block(rank: int, world: int) -> str | None:
+    """A framework's backward outside scale_loss, then a block, one step, under the reduce-
+    scatter hook at O0 (scale 1.0): each rank stepped its own unreduced second gradient in the
+    part it owns (an audit)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model, find_unused_parameters=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    (x1, y1), (x2, y2) = _batch(rank, 0), _batch(rank, 1)
+    nn.functional.cross_entropy(ddp(x1).flatten(0, 1), y1.flatten()).backward()
+    try:
+        with distamp.scale_loss(
+            nn.functional.cross_entropy(ddp(x2).flatten(0, 1), y2.flatten()), opt
+        ) as scaled:
+            scaled.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_block_after_a_backward_outside_scale_loss_is_refused_under_the_reduce_scatter_hook():
+    for message in run_ranks(_outside_backward_then_block, 2, timeout=120):
+        assert message is not None and message.startswith("scale_loss: expected the gradients")

@@ -771,6 +771,10 @@ class ScalerGroup:
         """
         assert st.grad_scale is not None
         self.refuse_wrapped_before_init()
+        if st.outside_between_blocks:
+            from .masters.optimizer import refuse_outside_between_blocks
+
+            refuse_outside_between_blocks(api)
         st.masters.check_views(self.param_names)  # before anything changes
         edited = self._edited_reduced_grads(st)  # before unscaling touches anything
         added = st.added_after_reduce

@@ -49,6 +49,7 @@ from .masters.optimizer import (
     drop_cleared_gradients,
     guard_nested_optimizers,
     inner_optimizer,
+    refuse_outside_between_blocks,
     unscale_now,
     watch_backward,
 )
@@ -914,13 +915,21 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     wrong updates). No unscale can undo such a sum, so the block is refused before its
     backward, on every rank alike (the same script). Gradients cleared since (``zero_grad``,
     also in place) are not refused, nor a block at scale 1.0 (O0's) where each rank's
-    gradients are the reduced ones (no reduce-scatter hook): the sum is right there."""
-    if st.state is not OptState.READY or not st.backward_since_step:
+    gradients are the reduced ones (no reduce-scatter hook): the sum is right there. A backward
+    outside the blocks between two of them (``st.outside_between_blocks``) is refused here and
+    at the step. Under FSDP no hook sees a backward: its gradients are read instead."""
+    if st.outside_between_blocks:
+        refuse_outside_between_blocks("scale_loss")
+    if st.state is not OptState.READY or (st.watches_backward and not st.backward_since_step):
         return
     if scale == 1.0 and not st.masters.reduced:
         return
-    held = [p for p in st.masters.model_params if p.grad is not None]
-    if not any(bool(local_tensor(p.grad).ne(0).any()) for p in held):
+    if not any(_nonzero(p.grad) for p in st.masters.model_params if p.grad is not None):
+        # Cleared since (the module's zero_grad, .grad = None): what the reduce-scatter hook
+        # gathered for that backward goes with them (an audit: its shard gradients were
+        # stepped with the block's own unreduced .grad, |w| 9536 at O2)
+        if st.masters.reduced:
+            st.masters.release_master_grads()
         return
     raise RuntimeError(
         "scale_loss: expected the gradients pending since the last step() to come from "
@@ -930,6 +939,13 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
         "backward of the step inside scale_loss (or none: step() takes an outside backward's "
         "gradients at scale 1.0), or clear them first (optimizer.zero_grad())"
     )
+
+
+def _nonzero(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` (dense, sparse COO, or a DTensor's local shard) holds a non-zero value."""
+    grad = local_tensor(grad)
+    values = grad.coalesce()._values() if grad.is_sparse else grad
+    return bool(values.ne(0).any())
 
 
 def _close_block(

@@ -272,6 +272,31 @@ def test_blocks_that_select_nothing_are_said(spec):
             assert len(said) == 1 and ("GRU" in said[0] or "lambda" in said[0]), said
 
 
+def _outside_backward_then_block_under_fsdp(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(
+        model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, blocks=()
+    )
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).float().sum().backward()  # outside scale_loss: no hook sees it under FSDP
+    with pytest.raises(RuntimeError, match=r"^scale_loss: expected the gradients pending"):
+        with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+    opt.zero_grad()
+    with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return distamp.stats(opt).steps
+
+
+def test_a_block_after_an_outside_backward_is_refused_under_fsdp():
+    """The outside share (scale 1.0) was divided by the block's loss scale, silently (an
+    audit): no backward hook watches FSDP's sharded gradients, so they are read."""
+    assert run_ranks(_outside_backward_then_block_under_fsdp, 2) == [1, 1]
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 

@@ -251,3 +251,63 @@ def test_at_o0_a_backward_outside_scale_loss_then_a_block_sums_as_fp32_does():
             p -= 0.1 * p.grad
     for a, p in zip(got, ref.parameters(), strict=True):
         torch.testing.assert_close(a, p.detach(), rtol=0, atol=1e-7)
+
+
+def test_a_backward_outside_scale_loss_between_two_blocks_is_refused():
+    """block, loss.backward(), block (or step) in one step: scale 1.0 added to the loss scale's,
+    taken as a whole at step(): the outside share shrank 128-fold, silently (an audit)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, verbosity=0
+    )
+    (x1, y1), (x2, y2) = data(2, 4)
+    mse = torch.nn.functional.mse_loss
+    for then in ("block", "step"):
+        with distamp.scale_loss(mse(model(x1.half()).float(), y1), opt) as scaled:
+            scaled.backward()
+        mse(model(x2.half()).float(), y2).backward()
+        with pytest.raises(RuntimeError, match=r"a backward outside this optimizer's scale_loss"):
+            if then == "block":
+                with distamp.scale_loss(mse(model(x1.half()).float(), y1), opt) as scaled:
+                    scaled.backward()
+            else:
+                opt.step()
+        opt.zero_grad()  # cleared: trains on
+    with distamp.scale_loss(mse(model(x1.half()).float(), y1), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert distamp.stats(opt).steps == 1
+
+
+def test_a_sparse_gradient_cleared_in_place_after_an_outside_backward_is_not_refused():
+    """The check for gradients an outside backward left read sparse ones with ne(), which sparse
+    tensors lack: a crash where the gradients had been cleared (an audit)."""
+
+    class Emb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(10, 4, sparse=True)
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, i):
+            return self.lin(self.e(i))
+
+    torch.manual_seed(0)
+    model = Emb()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(
+        model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, verbosity=0
+    )
+    i = torch.tensor([1, 2, 3])
+    model(i).float().sum().backward()  # an inspection backward
+    model.zero_grad(set_to_none=False)
+    with distamp.scale_loss(model(i).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    model(i).float().sum().backward()  # not cleared: refused by name
+    with pytest.raises(RuntimeError, match=r"^scale_loss: expected the gradients pending since"):
+        with distamp.scale_loss(model(i).float().sum(), opt) as scaled:
+            scaled.backward()

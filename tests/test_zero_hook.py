@@ -1122,3 +1122,33 @@ def _outside_backward_then_block(rank: int, world: int) -> str | None:
 def test_a_block_after_a_backward_outside_scale_loss_is_refused_under_the_reduce_scatter_hook():
     for message in run_ranks(_outside_backward_then_block, 2, timeout=120):
         assert message is not None and message.startswith("scale_loss: expected the gradients")
+
+
+def _outside_backward_cleared_by_the_module(rank: int, world: int, clear: bool) -> dict:
+    """An outside backward, the module's zero_grad (not the optimizer's), a block, a step:
+    the reduced gradients gathered for the outside backward stayed, and the step took the
+    block's unreduced .grad as unscaled (an audit: |w| 9536 at O2)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model, find_unused_parameters=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    (x1, y1), (x2, y2) = _batch(rank, 0), _batch(rank, 1)
+    if clear:
+        nn.functional.cross_entropy(ddp(x1).float().flatten(0, 1), y1.flatten()).backward()
+        model.zero_grad()
+    with distamp.scale_loss(
+        nn.functional.cross_entropy(ddp(x2).float().flatten(0, 1), y2.flatten()), opt
+    ) as scaled:
+        scaled.backward()
+    opt.step()
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def test_an_outside_backward_cleared_by_the_module_leaves_nothing_behind():
+    cleared = run_ranks(_outside_backward_cleared_by_the_module, 2, True, timeout=120)
+    alone = run_ranks(_outside_backward_cleared_by_the_module, 2, False, timeout=120)
+    for got, want in zip(cleared, alone, strict=True):
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name

@@ -84,6 +84,10 @@ class AmpOptimizerState:
         block: see [Note: scaled gradients touched before step()]."""
         self.scaled_sample: torch.Tensor | None = None
         """Under FSDP, ``scaled_grad_sample()`` at the end of that block (the same Note)."""
+        self.outside_between_blocks = False
+        """A backward outside every ``scale_loss`` block reached these gradients while a block's
+        were pending (SCALED): scale 1.0 added to scaled ones, refused (see
+        :func:`refuse_outside_between_blocks`)."""
         self.added_after_reduce: list[str] = []
         """Names of parameters whose ``.grad`` a backward added to after the reduce-scatter
         hook reduced them, since the last step: see [Note: a backward DDP does not reduce]."""
@@ -217,6 +221,7 @@ class AmpOptimizerState:
         self.had_grads = False
         self.clipped_grads = None
         self.added_after_reduce = []
+        self.outside_between_blocks = False
         self.masters.release_master_grads()
 
 
@@ -1139,6 +1144,10 @@ class BackwardSeen:
         st = self.st()
         if st is not None:
             st.backward_since_step = True
+            if st.state is OptState.SCALED and not any(
+                o.masters.blocks_open for o in st.group.optimizers
+            ):
+                st.outside_between_blocks = True  # see [Note: a backward outside scale_loss...]
 
 
 def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:
@@ -1164,6 +1173,21 @@ def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:
             "to be stepped (a GAN's discriminator after the generator's loss)"
         )
         st.warned_unlisted = True
+
+
+def refuse_outside_between_blocks(api: str) -> None:
+    """[Note: a backward outside scale_loss, then a block] in wrap.py: a block, then a backward
+    outside every block, in one step (at O2 fp16 the outside share shrank by the loss scale,
+    silently, an audit). Raised at the next block or at the step, on every rank alike."""
+    raise RuntimeError(
+        f"{api}: expected every backward between two steps inside distamp.scale_loss once one "
+        "was, found a backward outside this optimizer's scale_loss blocks after one "
+        "(loss.backward(), a framework's backward, or a block of another distamp.wrap call: "
+        "gradients at another scale added to the block's, at its loss scale: a sum no "
+        "unscale can undo). Run it inside scale_loss listing this optimizer too (one wrap "
+        "call for models whose losses reach each other), or clear the gradients "
+        "(optimizer.zero_grad()) and train on"
+    )
 
 
 def _optimizer_index(st: AmpOptimizerState) -> int:

@@ -434,6 +434,40 @@ def test_a_save_that_fails_writing_removes_its_partial_folder_and_says_what_is_l
     assert distamp.checkpoint.inspect(str(root / "kept"))["extra"] == {"step": 2}
 
 
+def _save_failing_in(rank, world, root, where):
+    """One rank's RNG write, or rank 0's manifest write, fails (a full disk there)."""
+    from unittest import mock
+
+    import distamp.checkpoint.api as api
+    import distamp.checkpoint.files as files
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, rank, world, 0, 1)
+    distamp.save_checkpoint(os.path.join(root, "kept"), model, opt, extra={"step": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    target = (api, "_save_rng") if where == "rng" else (files, "write_manifest_and_commit")
+    with mock.patch.object(*target, full if where == "manifest" or rank == 1 else getattr(*target)):
+        try:
+            distamp.save_checkpoint(os.path.join(root, "kept"), model, opt, extra={"step": 2})
+        except CheckpointError as exc:
+            return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("where", ["rng", "manifest"])
+def test_a_save_failing_before_or_after_the_tensors_says_what_is_left(tmp_path, where):
+    """README: a failed save says whether a checkpoint is left at that path; only a failure
+    writing the tensors said it (an audit: the RNG state's and the manifest's said nothing)."""
+    root = tmp_path / "run"
+    for message in run_ranks(_save_failing_in, 2, str(root), where):
+        assert message is not None and "No space left on device" in message, message
+        assert f"the previous checkpoint at {root / 'kept'} is intact" in message, message
+    assert distamp.checkpoint.inspect(str(root / "kept"))["extra"] == {"step": 1}
+
+
 def test_a_save_of_a_path_another_live_process_is_saving_is_refused_naming_it(tmp_path):
     """Two jobs saving one path shared one temporary folder, each removing the other's files:
     one committed a manifest of its own over the other's tensors, silently (an audit). Each
@@ -575,7 +609,7 @@ def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
     (tmp_path / "empty").mkdir()
     distamp.save_checkpoint(tmp_path / "empty", model, opt)
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(CheckpointError, match="found a file"):
+    with pytest.raises(CheckpointError, match="found a file: save to another path, or remove"):
         distamp.save_checkpoint(tmp_path / "a-file", model, opt)
 
 

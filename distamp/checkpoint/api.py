@@ -219,12 +219,13 @@ def save_checkpoint(
         )
     try:
         shares = _write_into(tmp, directory, target, state_dict, own, pg)
-    except BaseException:
+    except BaseException as exc:
         # Every rank is past its writes (each step above fails on all ranks alike): the partial
         # folder goes. Left, it held the disk a full-disk failure had filled, and the example's
         # step_NNNNNN paths never repeat, so no later save of the same path removed it (an audit).
         if target.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        _say_what_is_left(exc, directory)
         raise
 
     def finish() -> None:
@@ -245,8 +246,30 @@ def save_checkpoint(
                 f"or host committed one meanwhile?); this save is left complete in {tmp}"
             ) from exc
 
-    agree("save_checkpoint: committing", finish, pg)
+    try:
+        agree("save_checkpoint: committing", finish, pg)
+    except CheckpointError as exc:
+        if f"left complete in {tmp}" not in str(exc):  # (the rename's own says where it is)
+            _say_what_is_left(exc, directory)
+        raise
     return str(given)
+
+
+def _say_what_is_left(exc: BaseException, directory: Path) -> None:
+    """A failed save's CheckpointError says what is at ``directory`` now, wherever it failed
+    (writing the RNG state, hashing, the manifest: an audit found only the tensors' failure
+    saying it, as the README promises). Raised on every rank alike (``agree``)."""
+    if not isinstance(exc, CheckpointError) or "nothing was committed" in str(exc):
+        return
+    exc.args = (f"{exc}; {_what_is_left(directory)}", *exc.args[1:])
+
+
+def _what_is_left(directory: Path) -> str:
+    return "nothing was committed and the partial folder is removed; " + (
+        f"the previous checkpoint at {directory} is intact"
+        if (directory / files.COMMIT).is_file()
+        else f"there was no checkpoint at {directory} before"
+    )
 
 
 def _write_into(
@@ -267,12 +290,7 @@ def _write_into(
         # DCP gathers the ranks' failures: every rank raises here alike.
         raise CheckpointError(
             f"save_checkpoint: writing the tensors into {tmp} failed ({_dcp_failures(exc)}); "
-            f"nothing was committed and the partial folder is removed; "
-            + (
-                f"the previous checkpoint at {directory} is intact"
-                if (directory / files.COMMIT).is_file()
-                else f"there was no checkpoint at {directory} before"
-            )
+            + _what_is_left(directory)
         ) from exc
     share = agree(
         "save_checkpoint: hashing", lambda: files.hash_share(tmp, target.rank, target.world), pg
@@ -362,11 +380,15 @@ def _prepare(directory: Path, rank: int) -> str | None:
             inside = sorted(c.name for c in directory.iterdir()) if directory.is_dir() else None
             found = "a file" if inside is None else f"a folder holding {inside[:4]}"
             if inside is None or inside:
+                hint = (
+                    "save to another path, or remove that file"  # (no subfolder of a file, an audit)
+                    if inside is None
+                    else "the path names the checkpoint itself, not a folder of them (DeepSpeed's "
+                    f"save_dir); save into a subfolder such as {directory / 'step_100'}"
+                )
                 raise CheckpointError(
                     f"save_checkpoint: expected {directory} to be a new path, an empty folder or "
-                    f"a committed distamp checkpoint (it is replaced), found {found}: the path "
-                    "names the checkpoint itself, not a folder of them (DeepSpeed's save_dir); "
-                    f"save into a subfolder such as {directory / 'step_100'}"
+                    f"a committed distamp checkpoint (it is replaced), found {found}: {hint}"
                 )
         directory.parent.mkdir(parents=True, exist_ok=True)
         return files.prepare_tmp(directory).name[len(directory.name) :]

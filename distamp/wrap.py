@@ -919,12 +919,16 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     outside the blocks between two of them (``st.outside_between_blocks``) is refused here and
     at the step. Under FSDP no hook sees a backward: its gradients are read instead."""
     if st.outside_between_blocks:
-        refuse_outside_between_blocks("scale_loss")
+        if _any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
+            refuse_outside_between_blocks("scale_loss")
+        # cleared since (the module's zero_grad in place, an audit): nothing pending is kept
+        st.group.forget(st)
+        st.reset()
     if st.state is not OptState.READY or (st.watches_backward and not st.backward_since_step):
         return
     if scale == 1.0 and not st.masters.reduced:
         return
-    if not any(_nonzero(p.grad) for p in st.masters.model_params if p.grad is not None):
+    if not _any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
         # Cleared since (the module's zero_grad, .grad = None): what the reduce-scatter hook
         # gathered for that backward goes with them (an audit: its shard gradients were
         # stepped with the block's own unreduced .grad, |w| 9536 at O2)
@@ -941,11 +945,17 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     )
 
 
-def _nonzero(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` (dense, sparse COO, or a DTensor's local shard) holds a non-zero value."""
-    grad = local_tensor(grad)
-    values = grad.coalesce()._values() if grad.is_sparse else grad
-    return bool(values.ne(0).any())
+def _any_nonzero(grads: list[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` (dense, sparse COO, or DTensors' local shards) holds a non-zero
+    value: one host read for all of them."""
+    flags = []
+    for grad in grads:
+        grad = local_tensor(grad)
+        values = grad.coalesce()._values() if grad.is_sparse else grad
+        flags.append(values.ne(0).any())
+    if not flags:
+        return False
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())
 
 
 def _close_block(

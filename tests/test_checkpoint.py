@@ -468,6 +468,32 @@ def test_a_save_failing_before_or_after_the_tensors_says_what_is_left(tmp_path, 
     assert distamp.checkpoint.inspect(str(root / "kept"))["extra"] == {"step": 1}
 
 
+def test_a_committed_save_whose_old_copy_cannot_be_removed_warns_and_succeeds(tmp_path):
+    """The rename that commits had run; removing the previous copy then failed (a file of it
+    held open on NFS) and the save raised "could not move ... into place", naming a folder that
+    no longer existed (an audit)."""
+    from unittest import mock
+
+    import distamp.checkpoint.files as files
+
+    model, opt, sched = make("O2")
+    path = tmp_path / "ck"
+    distamp.save_checkpoint(path, model, opt, extra={"step": 1})
+    real = files.remove
+
+    def busy(target):
+        if str(target).endswith(files.OLD):
+            raise OSError(16, "Device or resource busy")
+        real(target)
+
+    with mock.patch.object(files, "remove", busy):
+        with pytest.warns(UserWarning, match=r"is committed, but tidying up after it failed"):
+            distamp.save_checkpoint(path, model, opt, extra={"step": 2})
+    assert distamp.checkpoint.inspect(str(path))["extra"] == {"step": 2}
+    distamp.save_checkpoint(path, model, opt, extra={"step": 3})  # removes the leftover
+    assert not (tmp_path / ("ck" + files.OLD)).exists()
+
+
 def test_a_save_of_a_path_another_live_process_is_saving_is_refused_naming_it(tmp_path):
     """Two jobs saving one path shared one temporary folder, each removing the other's files:
     one committed a manifest of its own over the other's tensors, silently (an audit). Each

@@ -274,7 +274,11 @@ def test_a_backward_outside_scale_loss_between_two_blocks_is_refused():
                     scaled.backward()
             else:
                 opt.step()
-        opt.zero_grad()  # cleared: trains on
+        # cleared: trains on (also zeroed in place by the module: an audit found it refused)
+        if then == "block":
+            model.zero_grad(set_to_none=False)
+        else:
+            opt.zero_grad()
     with distamp.scale_loss(mse(model(x1.half()).float(), y1), opt) as scaled:
         scaled.backward()
     opt.step()

@@ -240,10 +240,17 @@ def save_checkpoint(
         try:
             files.commit(tmp, directory)
         except OSError as exc:
+            old = directory.with_name(directory.name + files.OLD)
+            previous = (
+                f"; the previous checkpoint is at {old}"
+                if (old / files.COMMIT).is_file() and not (directory / files.COMMIT).is_file()
+                else ""
+            )
             raise CheckpointError(
                 f"save_checkpoint: could not move the finished {tmp} into place as {directory} "
                 f"({exc}): expected no other save of that path at the same time (another job "
                 f"or host committed one meanwhile?); this save is left complete in {tmp}"
+                f"{previous}"
             ) from exc
 
     try:

@@ -334,7 +334,9 @@ def prepare_tmp(directory: Path) -> Path:
 
 
 def commit(tmp: Path, directory: Path) -> None:
-    """Rank 0: move the finished ``tmp`` into place; see [Note: atomic checkpoints]."""
+    """Rank 0: move the finished ``tmp`` into place; see [Note: atomic checkpoints]. An OSError
+    raised here means ``tmp`` is not in place (and the previous copy, if any, is at ``directory``
+    or its ``.old``)."""
     old = directory.with_name(directory.name + OLD)
     if directory.exists():
         if old.exists() or old.is_symlink():  # an earlier save's leftover: the older copy
@@ -343,9 +345,19 @@ def commit(tmp: Path, directory: Path) -> None:
     # Else ``old`` may be the only complete copy (a save killed between its two renames): it
     # goes only once the new one is in place, so a second killed save still leaves one.
     os.rename(tmp, directory)
-    fsync_dir(directory.parent)
-    if old.exists() or old.is_symlink():
-        remove(old)
+    # Committed: what fails from here on leaves the new checkpoint in place, and is said, not
+    # raised (an audit: an .old folder another process held open on NFS raised "could not move
+    # the finished ... into place", naming an .incomplete folder that no longer existed).
+    try:
+        fsync_dir(directory.parent)
+        if old.exists() or old.is_symlink():
+            remove(old)
+    except OSError as exc:
+        warnings.warn(
+            f"save_checkpoint: {directory} is committed, but tidying up after it failed ({exc}): "
+            f"the previous copy may be left at {old} (a later save of this path removes it)",
+            stacklevel=4,
+        )
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:

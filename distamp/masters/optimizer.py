@@ -1182,7 +1182,8 @@ def refuse_outside_between_blocks(api: str) -> None:
     raise RuntimeError(
         f"{api}: expected every backward between two steps inside distamp.scale_loss once one "
         "was, found a backward outside this optimizer's scale_loss blocks after one "
-        "(loss.backward(), a framework's backward, or a block of another distamp.wrap call: "
+        "(loss.backward(), a framework's backward, a block of another distamp.wrap call, or a "
+        "scale_loss's yielded loss's backward() run after its with block closed: "
         "gradients at another scale added to the block's, at its loss scale: a sum no "
         "unscale can undo). Run it inside scale_loss listing this optimizer too (one wrap "
         "call for models whose losses reach each other), or clear the gradients "

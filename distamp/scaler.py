@@ -948,17 +948,7 @@ class ScalerGroup:
         loss). So at each block's end, a parameter the hook reduced in an earlier block, not
         in this one, whose ``.grad`` changed since that block's end is named; the step is
         refused on every rank. A second backward inside one block is not seen."""
-        reduced = st.masters.reduced
-        if not reduced or not st.scaled_grads:
-            return []
-        return [
-            self.param_names.get(id(p), "?")
-            for p, version in st.scaled_grads
-            if id(p) in reduced
-            and id(p) not in fresh
-            and p.grad is not None
-            and grad_version(p) != version
-        ]
+        return self._reduced_grads_changed(st, skip=fresh)
 
     def _edited_reduced_grads(self, st: AmpOptimizerState) -> list[str]:
         """Names of the parameters the reduce-scatter hook reduced whose model ``.grad`` was
@@ -971,23 +961,38 @@ class ScalerGroup:
         read, silently (an audit: a "frozen" layer moved, the clipping was ignored). After
         ``distamp.unscale_`` the model's ``.grad`` are the reduced gradients and edits are
         taken (see ``take_modified_model_grads``); before it, every rank refuses."""
-        reduced = st.masters.reduced
-        if not reduced or st.warned_touched_scaled or not st.scaled_grads:
+        if st.warned_touched_scaled:
             return []  # (after the touched warning the recorded versions are not refreshed)
+        return self._reduced_grads_changed(st)
+
+    def _reduced_grads_changed(
+        self, st: AmpOptimizerState, skip: AbstractSet[int] = frozenset()
+    ) -> list[str]:
+        """Names of the parameters the reduce-scatter hook reduced (but those in ``skip``) whose
+        ``.grad`` changed since the last block's end (a .grad set to None is honoured: the
+        parameter is not stepped)."""
+        reduced = st.masters.reduced
+        if not reduced or not st.scaled_grads:
+            return []
         return [
             self.param_names.get(id(p), "?")
             for p, version in st.scaled_grads
-            # (a .grad set to None is honoured: the parameter is not stepped)
-            if id(p) in reduced and p.grad is not None and grad_version(p) != version
+            if id(p) in reduced
+            and id(p) not in skip
+            and p.grad is not None
+            and grad_version(p) != version
         ]
+
+    def _named_on_this_rank(self, names: list[str]) -> str:
+        """Where a refusal's parameters are: a few of this rank's, or another rank's."""
+        if not names:
+            return "on another rank"
+        more = " and more" if len(names) > 3 else ""
+        return f"on this rank (rank {self.rank}): {names[:3]}{more}"
 
     def _refuse_added_after_reduce(self, added: list[str], api: str) -> None:
         """See [Note: a backward DDP does not reduce]: every rank raises."""
-        where = (
-            f"on this rank (rank {self.rank}): {added[:3]}{' and more' if len(added) > 3 else ''}"
-            if added
-            else "on another rank"
-        )
+        where = self._named_on_this_rank(added)
         raise RuntimeError(
             f"{api}: expected one backward per DDP forward under distamp.hooks.register(..., "
             f"reduce_scatter=True), found gradients added after DDP reduced them {where}: a "
@@ -1001,11 +1006,7 @@ class ScalerGroup:
 
     def _refuse_edited_reduced_grads(self, edited: list[str], api: str) -> None:
         """See [Note: edits lost under the reduce-scatter hook]: every rank raises."""
-        where = (
-            f"on this rank (rank {self.rank}): {edited[:3]}{' and more' if len(edited) > 3 else ''}"
-            if edited
-            else "on another rank"
-        )
+        where = self._named_on_this_rank(edited)
         raise RuntimeError(
             f"{api}: expected the model's gradients untouched between backward and "
             f"distamp.unscale_ under distamp.hooks.register(..., reduce_scatter=True), found "

@@ -50,3 +50,26 @@ class GradProbe(nn.Module):
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:
         return (self.w * g).sum()
+
+
+class FrameworkOptimizer(torch.optim.Optimizer):
+    """accelerate's AcceleratedOptimizer (apex's LARC alike), as it holds the optimizer it is
+    given: an Optimizer subclass with the wrapped one as ``optimizer``, its param_groups and
+    state forwarded, nothing else (no ``_step_supports_amp_scaling``)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
-from models import data, mlp
+from models import FrameworkOptimizer, data, mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distamp
@@ -202,27 +202,6 @@ def test_a_framework_asking_whether_a_wrapped_o2_optimizer_unscales_itself_gets_
         scaler.step(opt)
 
 
-class _LarcLike:
-    """apex's LARC: forwards param_groups, state and step, not other attributes."""
-
-    def __init__(self, optim):
-        self.optim = optim
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    def zero_grad(self):
-        self.optim.zero_grad()
-
-    def step(self):
-        return self.optim.step()
-
-
 @pytest.mark.parametrize("enabled", [True, False])
 def test_torch_grad_scaler_through_a_wrapper_that_hides_the_attribute_is_refused(enabled):
     """The wrapper answered no _step_supports_amp_scaling of its own: torch's scaler unscaled
@@ -238,12 +217,12 @@ def test_torch_grad_scaler_through_a_wrapper_that_hides_the_attribute_is_refused
     if enabled:
         scaler.scale(loss).backward()
         with pytest.raises(RuntimeError, match=r"^torch.amp.GradScaler: this optimizer was wrap"):
-            scaler.step(_LarcLike(opt))
+            scaler.step(FrameworkOptimizer(opt))
         assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
     else:
         with distamp.scale_loss(loss, opt) as scaled:
             scaled.backward()
-        scaler.step(_LarcLike(opt))
+        scaler.step(FrameworkOptimizer(opt))
         assert distamp.stats(opt).steps == 1
 
 

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 from dist_harness import run_ranks
-from models import GradProbe
+from models import FrameworkOptimizer, GradProbe
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -335,28 +335,6 @@ def test_a_base_optimizer_stepped_outside_step_is_refused_by_name(level):
         RuntimeError, match=r"optimizer\.base_optimizer\.step\(\) \(SGD inside SAM\) ran outside"
     ):
         opt.second_step()
-
-
-class FrameworkOptimizer(torch.optim.Optimizer):
-    """accelerate's AcceleratedOptimizer, as it holds the optimizer it is given: an Optimizer
-    subclass with the wrapped one as ``optimizer``, its param_groups and state forwarded."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure=None):
-        return self.optimizer.step(closure)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

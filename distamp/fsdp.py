@@ -48,6 +48,7 @@ from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
+from .optstate import OptState
 from .scaler import ScalerGroup, split_loss_scale
 
 BlockSpec = Sequence[type[nn.Module] | nn.Module] | Callable[[nn.Module], bool] | None
@@ -642,8 +643,63 @@ def fully_shard(
     scalers = ScalerGroup(props, group, {id(p): n for n, p in new_params.items()}, template)
     from .wrap import _make_amp_optimizer
 
-    _make_amp_optimizer(optimizer, AmpOptimizerState(scalers, 0, masters))
+    st = AmpOptimizerState(scalers, 0, masters)
+    _make_amp_optimizer(optimizer, st)
+    model.register_forward_hook(OutputsWatch(st))
     return model, optimizer
+
+
+class OutputsWatch:
+    """[Note: a backward outside scale_loss under FSDP] ``distamp.wrap`` sees every backward
+    through a post-accumulate-grad hook on each parameter (``BackwardSeen``); FSDP accumulates
+    into its unsharded parameters and then assigns the sharded ``.grad``, which no such hook
+    sees, so a ``loss.backward()`` after a ``scale_loss`` block and before ``step()`` added
+    gradients at scale 1.0 to the block's at the loss scale, and the step divided the sum by
+    it: that loss's share shrank 65536-fold at O2 fp16, with only a warning blaming clipping
+    (an audit). This forward hook on the root module puts a hook on each output that needs a
+    gradient; a backward through it while the optimizer's gradients are scaled and no block is
+    open is marked as ``BackwardSeen`` marks one, and refused alike at the next block or the
+    step. ``torch.autograd.grad`` through the outputs (a gradient penalty) accumulates nothing
+    and is not marked: the hook asks the engine whether it runs the nearest parameter's
+    AccumulateGrad node. Holds the optimizer's state weakly (see ``BackwardSeen``)."""
+
+    def __init__(self, st: AmpOptimizerState) -> None:
+        self.st = weakref.ref(st)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for tensor in torch.utils._pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                tensor.register_hook(_OutputReached(self.st, _nearest_accumulation(tensor)))
+
+
+class _OutputReached:
+    def __init__(self, st: weakref.ref[AmpOptimizerState], accumulate: Any) -> None:
+        self.st, self.accumulate = st, accumulate
+
+    def __call__(self, _: torch.Tensor) -> None:
+        st = self.st()
+        if st is None or st.state is not OptState.SCALED or st.masters.blocks_open:
+            return
+        if self.accumulate is None or torch._C._will_engine_execute_node(self.accumulate):
+            st.outside_between_blocks = True
+
+
+def _nearest_accumulation(tensor: torch.Tensor, limit: int = 64) -> Any:
+    """The AccumulateGrad node of a parameter nearest ``tensor`` in its graph (breadth first,
+    ``limit`` nodes at most), or None."""
+    queue: list[Any] = [tensor.grad_fn]
+    seen: set[Any] = set()
+    while queue and len(seen) < limit:
+        node = queue.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AccumulateGrad":
+            return node
+        queue += [next_node for next_node, _ in node.next_functions]
+    return None
 
 
 OVERRIDES = frozenset(

@@ -492,12 +492,41 @@ class GradScaler:
         self.__dict__.update(state)
         self._order, self._stepped = weakref.WeakKeyDictionary(), 0
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for names not found otherwise: torch's private attributes, which scripts copied
+        from torch.amp read (``scaler._scale.item()`` in a log line), say what to use instead
+        (an audit: a bare AttributeError)."""
+        instead = _TORCH_PRIVATE.get(name)
+        if instead is None:
+            raise AttributeError(f"'GradScaler' object has no attribute {name!r}")
+        raise AttributeError(
+            f"GradScaler.{name}: expected one of torch.amp.GradScaler's public methods, found "
+            f"its private attribute {name!r}, which distamp.GradScaler does not have (it keeps "
+            f"the scale as a Python float, the same on every rank): use {instead}"
+        )
+
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is not None:
             return self._group
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
+
+
+_TORCH_PRIVATE = {
+    "_scale": "get_scale() (a float; torch.tensor(scaler.get_scale()) for a tensor)",
+    "_get_scale_async": "get_scale()",
+    "_growth_tracker": "state_dict()['_growth_tracker']",
+    "_init_scale": "get_scale() before the first update, or state_dict()['scale']",
+    "_init_growth_tracker": "state_dict()['_growth_tracker']",
+    "_growth_factor": "get_growth_factor()",
+    "_backoff_factor": "get_backoff_factor()",
+    "_growth_interval": "get_growth_interval()",
+    "_per_optimizer_states": "nothing: the per-optimizer stage is internal",
+    "_lazy_init_scale_growth_tracker": "nothing: distamp's scale needs no lazy initialization",
+    "_check_scale_growth_tracker": "get_scale()",
+}
+"""torch.amp.GradScaler's private attributes scripts read, and what to use instead."""
 
 
 def _at_least_the_floor(scale: float, what: str) -> float:

@@ -33,7 +33,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
-from .masters.base import bit_hash, grad_samples, grad_version, local_tensor
+from .masters.base import bit_hash, grad_samples, grad_versions, local_tensor
 from .optstate import HELD, OptState
 
 if TYPE_CHECKING:
@@ -635,7 +635,8 @@ class ScalerGroup:
             fresh = other.masters.take_fresh_reductions()
             if other.state is OptState.SCALED and not other.warned_touched_scaled:
                 other.added_after_reduce += self._added_after_reduce(other, fresh)
-                other.scaled_grads = [(p, grad_version(p)) for p in other.masters.model_params]
+                params = other.masters.model_params
+                other.scaled_grads = list(zip(params, grad_versions(params), strict=True))
                 other.scaled_sample = other.masters.scaled_grad_sample()
         self._open.append(block)
 
@@ -656,7 +657,7 @@ class ScalerGroup:
             if st.state is OptState.READY:
                 st.grad_scale, st.state, st.had_grads = scale, OptState.SCALED, True
                 st.unlisted_loss = loss_id
-                st.adopted_grads = [grad_version(p) for p in st.masters.model_params]
+                st.adopted_grads = grad_versions(st.masters.model_params)
             elif st.state is OptState.UNSCALED or st.grad_scale != scale:
                 st.mixed_scales = (loss_id, scale)
 
@@ -974,13 +975,11 @@ class ScalerGroup:
         reduced = st.masters.reduced
         if not reduced or not st.scaled_grads:
             return []
+        params = [p for p, _ in st.scaled_grads]
         return [
             self.param_names.get(id(p), "?")
-            for p, version in st.scaled_grads
-            if id(p) in reduced
-            and id(p) not in skip
-            and p.grad is not None
-            and grad_version(p) != version
+            for (p, version), now in zip(st.scaled_grads, grad_versions(params), strict=True)
+            if id(p) in reduced and id(p) not in skip and now is not None and now != version
         ]
 
     def _named_on_this_rank(self, names: list[str]) -> str:

@@ -39,7 +39,7 @@ from .config import (
     warn_from_caller,
 )
 from .forensics import NonFiniteReport
-from .masters.base import MasterWeights, grad_version, local_tensor
+from .masters.base import MasterWeights, grad_versions, local_tensor
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
     AmpOptimizer,
@@ -1115,7 +1115,8 @@ def clip_grad_norm_(
         st.masters.expose_clipped(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     elif st.masters.separate_params():
         # still scaled and unclipped: an edit now would not reach the masters (said at step)
-        st.clipped_grads = [(p, grad_version(p)) for p in st.masters.separate_params()]
+        params = st.masters.separate_params()
+        st.clipped_grads = list(zip(params, grad_versions(params), strict=True))
     return total
 
 

@@ -297,6 +297,55 @@ def test_a_block_after_an_outside_backward_is_refused_under_fsdp():
     assert run_ranks(_outside_backward_then_block_under_fsdp, 2) == [1, 1]
 
 
+def _block_then_outside_backward_under_fsdp(rank, world, then, penalty):
+    """A block, then a second loss's backward outside any block (or, ``penalty``, only
+    ``torch.autograd.grad`` through the outputs: nothing accumulated), then ``then``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(
+        model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, blocks=()
+    )
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if penalty:
+            (grad,) = torch.autograd.grad(model(x).float().sum(), x)
+            assert grad.abs().sum() > 0
+        else:
+            model(x).float().pow(2).sum().backward()  # outside scale_loss: no hook saw it
+        try:
+            if then == "step":
+                opt.step()
+            else:
+                with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+        except RuntimeError as err:
+            return str(err), [str(w.message) for w in seen]
+    return distamp.stats(opt).steps, [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("then", ["step", "block"])
+def test_a_backward_outside_the_blocks_after_one_is_refused_under_fsdp(then):
+    """An audit: the outside loss's gradients (scale 1.0) were added to the block's (scale 128)
+    and the step divided the sum by 128, silently but for a warning that blamed clipping; under
+    DDP a post-accumulate-grad hook refuses it, and FSDP's sharded gradients have none. Refused
+    on every rank as under DDP, with no warning."""
+    for error, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, then, False):
+        api = "optimizer.step()" if then == "step" else "scale_loss"
+        assert error.startswith(f"{api}: expected every backward between two steps"), error
+        assert said == [], said
+
+
+def test_a_gradient_penalty_through_the_outputs_between_blocks_is_not_refused_under_fsdp():
+    """torch.autograd.grad accumulates nothing: the watch on the outputs lets it through."""
+    for steps, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, "block", True):
+        assert steps == 1 and said == [], (steps, said)
+
+
 # -- checkpoints ----------------------------------------------------------------------------------
 
 

@@ -677,3 +677,17 @@ def test_distamp_clipping_after_a_disabled_grad_scalers_unscale_clips_at_scale_o
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+
+
+def test_torchs_private_scaler_attributes_say_what_to_use_instead():
+    """``scaler._scale.item()`` in a log line copied from torch.amp: an AttributeError that names
+    the public method (an audit: a bare one); other missing names stay plain AttributeErrors."""
+    scaler = distamp.GradScaler("cpu")
+    with pytest.raises(AttributeError, match=r"_scale.*use get_scale\(\)"):
+        _ = scaler._scale
+    with pytest.raises(AttributeError, match=r"use get_growth_interval\(\)"):
+        _ = scaler._growth_interval
+    assert not hasattr(scaler, "_growth_tracker")
+    with pytest.raises(AttributeError, match=r"has no attribute 'nonsense'$"):
+        _ = scaler.nonsense
+    assert scaler.get_scale() == 65536.0

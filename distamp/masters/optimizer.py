@@ -33,7 +33,7 @@ from ..collectives import all_reduce_, check_same_on_all_ranks, short_order
 from ..config import HALF_DTYPES, warn_from_caller
 from ..forensics import NonFiniteGradientError, NonFiniteReport
 from ..optstate import HELD, OptState
-from .base import grad_version, local_tensor
+from .base import grad_versions, local_tensor
 from .nonfinite import nonfinite_flag
 from .rounds import PER_PARAMETER, round_step, step_in_rounds, unhooked_step, with_step_hooks
 from .sharded import ShardedMasterParams
@@ -429,12 +429,12 @@ class AmpOptimizer(torch.optim.Optimizer):
                 # after unscale_: step() again steps them, zero_grad() drops them, and a
                 # backward before either is refused, saying so.
                 st.interrupted = True
-                st.interrupted_grads = [grad_version(p) for p in st.masters.model_params]
+                st.interrupted_grads = grad_versions(st.masters.model_params)
                 st.last_step_skipped = False
             else:
                 st.reset()
                 st.masters.restored = False
-                st.stepped_grads = [grad_version(p) for p in st.masters.model_params]
+                st.stepped_grads = grad_versions(st.masters.model_params)
                 st.backward_since_step = False
                 if st.watches_backward:  # parameters unfrozen since wrap (or the last step)
                     watch_backward(st, st.masters.model_params)
@@ -1242,7 +1242,7 @@ def _zeroed_since(st: AmpOptimizerState, versions: list[tuple[int, int] | None] 
     if versions is None:
         return False
     params = st.masters.model_params
-    if [grad_version(p) for p in params] == versions:
+    if grad_versions(params) == versions:
         return False
     with torch.no_grad():
         return all(p.grad is None or not bool(local_tensor(p.grad).any()) for p in params)
@@ -1395,7 +1395,7 @@ def _refuse_a_second_step_on_the_same_gradients(st: AmpOptimizerState) -> None:
     (whose sharded gradients no hook of a parameter sees) the versions still decide."""
     if st.stepped_grads is None:
         return
-    now = [grad_version(p) for p in st.masters.model_params]
+    now = grad_versions(st.masters.model_params)
     if st.watches_backward:
         same = [
             v is not None and w is not None and v[0] == w[0]
@@ -1503,7 +1503,8 @@ def _scaled_grads_touched(st: AmpOptimizerState) -> bool | torch.Tensor:
         return False
     if st.grad_scale == 1.0:  # (a scale of 1: the gradients are their unscaled selves)
         return False
-    if any(grad_version(param) != version for param, version in st.scaled_grads):
+    params, versions = zip(*st.scaled_grads, strict=True)
+    if grad_versions(params) != list(versions):
         return True
     if st.scaled_sample is None:
         return False
@@ -1521,7 +1522,8 @@ def _warn_if_edited_after_clip(st: AmpOptimizerState) -> None:
     clipped, st.clipped_grads = st.clipped_grads, None
     if clipped is None or st.warned_edited_after_clip:
         return
-    edited = [p for p, version in clipped if grad_version(p) != version]
+    now = grad_versions(p for p, _ in clipped)
+    edited = [p for (p, version), new in zip(clipped, now, strict=True) if new != version]
     if not edited:
         return
     st.warned_edited_after_clip = True

@@ -53,7 +53,7 @@ from .base import (
     ModelGrads,
     bit_hash,
     grad_samples,
-    grad_version,
+    grad_versions,
     merge_loaded,
     written_through_data,
 )
@@ -601,7 +601,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
                         p.grad.copy_(full[r.start : r.start + r.numel].view(r.shape))
                     elif inv_scale is not None:
                         p.grad.mul_(inv_scale)
-        self.exposed = {id(p): grad_version(p) for p in self.separate_params()}
+        params = self.separate_params()
+        self.exposed = dict(zip(map(id, params), grad_versions(params), strict=True))
 
     def master_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.shards)
@@ -703,7 +704,7 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         return made[0], made[1], made[2]
 
     def shard_grad_versions(self) -> list[tuple[int, int] | None]:
-        return [grad_version(chunk) for chunks in self.chunks for chunk in chunks]
+        return grad_versions(chunk for chunks in self.chunks for chunk in chunks)
 
     def shard_grad_sample(self) -> torch.Tensor | None:
         """The first few gradient values of every slice (FP32, a copy): what tells a norm clip

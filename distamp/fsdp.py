@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
@@ -645,61 +646,63 @@ def fully_shard(
 
     st = AmpOptimizerState(scalers, 0, masters)
     _make_amp_optimizer(optimizer, st)
-    model.register_forward_hook(OutputsWatch(st))
+    UnshardedWatch(st, model)
     return model, optimizer
 
 
-class OutputsWatch:
+class UnshardedWatch:
     """[Note: a backward outside scale_loss under FSDP] ``distamp.wrap`` sees every backward
-    through a post-accumulate-grad hook on each parameter (``BackwardSeen``); FSDP accumulates
+    through a post-accumulate-grad hook on each parameter (``BackwardSeen``). FSDP accumulates
     into its unsharded parameters and then assigns the sharded ``.grad``, which no such hook
     sees, so a ``loss.backward()`` after a ``scale_loss`` block and before ``step()`` added
     gradients at scale 1.0 to the block's at the loss scale, and the step divided the sum by
     it: that loss's share shrank 65536-fold at O2 fp16, with only a warning blaming clipping
-    (an audit). This forward hook on the root module puts a hook on each output that needs a
-    gradient; a backward through it while the optimizer's gradients are scaled and no block is
-    open is marked as ``BackwardSeen`` marks one, and refused alike at the next block or the
-    step. ``torch.autograd.grad`` through the outputs (a gradient penalty) accumulates nothing
-    and is not marked: the hook asks the engine whether it runs the nearest parameter's
-    AccumulateGrad node. Holds the optimizer's state weakly (see ``BackwardSeen``)."""
+    (an audit). The unsharded parameters get the hook instead: FSDP2 registers them on their
+    modules while the forward runs, and keeps them (their storage is freed and refilled), so a
+    forward pre-hook on each module holding parameters hooks them the first time it sees them,
+    and removes itself once all of that module's trainable ones are hooked. A backward reaching
+    them while the optimizer's gradients are scaled and no block of its group is open is
+    refused at the next block or the step, as under DDP; ``torch.autograd.grad`` (a gradient
+    penalty) accumulates nothing and fires no such hook. (Hooks on the model's outputs missed
+    outputs pytree does not open, a dataclass, and mistook another model's or the input's
+    gradient for this model's: a review.) Holds the optimizer's state weakly (see
+    ``BackwardSeen``)."""
+
+    def __init__(self, st: AmpOptimizerState, model: nn.Module) -> None:
+        self.seen = _UnshardedReached(st)
+        self.hooked: set[int] = set()
+        self.handles: dict[int, Any] = {}
+        for module in model.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                self.handles[id(module)] = module.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        done = True
+        for param in module.parameters(recurse=False):
+            if id(param) in self.hooked:
+                continue
+            if isinstance(param, DTensor) or not param.requires_grad or not param.is_leaf:
+                done = False  # (still sharded, frozen, or a view: looked at again next time)
+                continue
+            param.register_post_accumulate_grad_hook(self.seen)
+            self.hooked.add(id(param))
+        if done:
+            self.handles.pop(id(module)).remove()
+
+
+class _UnshardedReached:
+    """See :class:`UnshardedWatch` (``BackwardSeen`` without the flags only ``distamp.wrap``
+    reads)."""
 
     def __init__(self, st: AmpOptimizerState) -> None:
         self.st = weakref.ref(st)
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for tensor in torch.utils._pytree.tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
-                tensor.register_hook(_OutputReached(self.st, _nearest_accumulation(tensor)))
-
-
-class _OutputReached:
-    def __init__(self, st: weakref.ref[AmpOptimizerState], accumulate: Any) -> None:
-        self.st, self.accumulate = st, accumulate
-
     def __call__(self, _: torch.Tensor) -> None:
         st = self.st()
-        if st is None or st.state is not OptState.SCALED or st.masters.blocks_open:
+        if st is None or st.state is not OptState.SCALED:
             return
-        if self.accumulate is None or torch._C._will_engine_execute_node(self.accumulate):
+        if not any(o.masters.blocks_open for o in st.group.optimizers):
             st.outside_between_blocks = True
-
-
-def _nearest_accumulation(tensor: torch.Tensor, limit: int = 64) -> Any:
-    """The AccumulateGrad node of a parameter nearest ``tensor`` in its graph (breadth first,
-    ``limit`` nodes at most), or None."""
-    queue: list[Any] = [tensor.grad_fn]
-    seen: set[Any] = set()
-    while queue and len(seen) < limit:
-        node = queue.pop(0)
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "AccumulateGrad":
-            return node
-        queue += [next_node for next_node, _ in node.next_functions]
-    return None
 
 
 OVERRIDES = frozenset(

@@ -1,5 +1,6 @@
 """FSDP2 through distamp.fsdp.fully_shard: matches DDP + distamp, global skip, checkpoints, order."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -297,30 +298,60 @@ def test_a_block_after_an_outside_backward_is_refused_under_fsdp():
     assert run_ranks(_outside_backward_then_block_under_fsdp, 2) == [1, 1]
 
 
-def _block_then_outside_backward_under_fsdp(rank, world, then, penalty):
+@dataclasses.dataclass
+class _Out:
+    """A plain dataclass output (pytree does not open it)."""
+
+    logits: torch.Tensor
+
+
+class _Residual(nn.Module):
+    """``x + f(x)``: the input's own AccumulateGrad node is the nearest one to the output; the
+    output a dataclass or a tensor."""
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.wrapped = wrapped
+
+    def forward(self, x):
+        out = x + self.f(x)
+        return _Out(out) if self.wrapped else out
+
+
+def _block_then_outside_backward_under_fsdp(rank, world, then, penalty, wrapped):
     """A block, then a second loss's backward outside any block (or, ``penalty``, only
-    ``torch.autograd.grad`` through the outputs: nothing accumulated), then ``then``."""
+    ``torch.autograd.grad`` through the outputs to the input: nothing accumulated), then
+    ``then``; ``wrapped``: the model returns a dataclass."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = _Residual(wrapped)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.fsdp.fully_shard(
         model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, blocks=()
     )
+
+    def out(x):
+        y = model(x)
+        return (y.logits if wrapped else y).float()
+
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-    with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+    with distamp.scale_loss(out(x).sum(), opt) as scaled:
         scaled.backward()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        if penalty:
-            (grad,) = torch.autograd.grad(model(x).float().sum(), x)
-            assert grad.abs().sum() > 0
+        penalty_term = 0.0
+        if penalty:  # R1's: the input gradient's norm, added to the next block's loss
+            leaf = x.detach().half().requires_grad_(True)  # its node next to the output's
+            (grad,) = torch.autograd.grad(out(leaf).sum(), leaf, create_graph=True)
+            penalty_term = grad.float().pow(2).mean()
         else:
-            model(x).float().pow(2).sum().backward()  # outside scale_loss: no hook saw it
+            out(x).pow(2).sum().backward()  # outside scale_loss: no hook saw it
         try:
             if then == "step":
                 opt.step()
             else:
-                with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+                loss = out(x.detach()).pow(2).mean() + penalty_term
+                with distamp.scale_loss(loss, opt) as scaled:
                     scaled.backward()
                 opt.step()
         except RuntimeError as err:
@@ -328,22 +359,56 @@ def _block_then_outside_backward_under_fsdp(rank, world, then, penalty):
     return distamp.stats(opt).steps, [str(w.message) for w in seen]
 
 
-@pytest.mark.parametrize("then", ["step", "block"])
-def test_a_backward_outside_the_blocks_after_one_is_refused_under_fsdp(then):
+@pytest.mark.parametrize(("then", "wrapped"), [("step", False), ("block", False), ("step", True)])
+def test_a_backward_outside_the_blocks_after_one_is_refused_under_fsdp(then, wrapped):
     """An audit: the outside loss's gradients (scale 1.0) were added to the block's (scale 128)
     and the step divided the sum by 128, silently but for a warning that blamed clipping; under
     DDP a post-accumulate-grad hook refuses it, and FSDP's sharded gradients have none. Refused
-    on every rank as under DDP, with no warning."""
-    for error, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, then, False):
+    on every rank as under DDP, with no warning, whatever the model returns (a review: a hook on
+    the outputs missed a dataclass)."""
+    for error, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, then, False, wrapped):
         api = "optimizer.step()" if then == "step" else "scale_loss"
         assert error.startswith(f"{api}: expected every backward between two steps"), error
         assert said == [], said
 
 
 def test_a_gradient_penalty_through_the_outputs_between_blocks_is_not_refused_under_fsdp():
-    """torch.autograd.grad accumulates nothing: the watch on the outputs lets it through."""
-    for steps, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, "block", True):
+    """torch.autograd.grad accumulates nothing: not refused (a review: with the input's node the
+    nearest to the output, the check itself raised inside torch)."""
+    for steps, said in run_ranks(_block_then_outside_backward_under_fsdp, 2, "block", True, False):
         assert steps == 1 and said == [], (steps, said)
+
+
+def _gan_with_a_frozen_discriminator(rank, world):
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    disc = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    kwargs = {"opt_level": "O2", "half_dtype": torch.float16, "loss_scale": 128.0, "blocks": ()}
+    gen, opt_g = distamp.fsdp.fully_shard(gen, opt_g, **kwargs)
+    disc, opt_d = distamp.fsdp.fully_shard(disc, opt_d, **kwargs)
+    z = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        fake = gen(z)
+        loss_d = disc(z + 1).float().mean() - disc(fake.detach()).float().mean()
+        with distamp.scale_loss(loss_d, opt_d) as scaled:
+            scaled.backward()
+        disc.requires_grad_(False)  # the generator's loss reaches no discriminator gradient
+        with distamp.scale_loss(-disc(fake).float().mean(), opt_g) as scaled:
+            scaled.backward()
+        disc.requires_grad_(True)
+        opt_d.step()
+        opt_g.step()
+        opt_d.zero_grad()
+        opt_g.zero_grad()
+    return distamp.stats(opt_d).steps, distamp.stats(opt_g).steps
+
+
+def test_a_gan_whose_frozen_discriminator_the_generators_block_runs_through_is_not_refused():
+    """Two fully_shard calls: the generator's block between the discriminator's block and its
+    step accumulates nothing into the frozen discriminator (a review: refused)."""
+    assert run_ranks(_gan_with_a_frozen_discriminator, 2) == [(2, 2), (2, 2)]
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

@@ -739,7 +739,9 @@ class ScalerGroup:
                 f"torch.distributed.init_process_group, found it wrapped with no process group "
                 f"while the default group now has {world} ranks (this is rank {dist.get_rank()}): "
                 "each rank would decide its skips alone and the replicas would drift apart. Call "
-                "wrap after init_process_group (Lightning: in configure_model(), not __init__); "
+                "wrap after init_process_group (Lightning: in configure_model(), not __init__; "
+                "accelerate and Hugging Face's Trainer: after Accelerator(...) or "
+                "TrainingArguments(...), which create the group); "
                 "for a model each rank trains alone, pass process_group=a one-rank group "
                 "(dist.new_subgroups(group_size=1)[0])"
             )

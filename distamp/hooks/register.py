@@ -75,7 +75,10 @@ def register(
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"distamp.hooks.register: expected a DistributedDataParallel model, got "
-            f"{type(ddp_model).__name__}; wrap with distamp.wrap, then DDP, then register"
+            f"{type(ddp_model).__name__}; wrap with distamp.wrap, then DDP, then register (where "
+            "a framework builds the DDP model, pass the one it built: accelerate's prepare() "
+            "returns it, Hugging Face's Trainer holds it as trainer.model_wrapped once training "
+            "begins)"
         )
     if getattr(ddp_model, "_comm_hooks", None):
         raise RuntimeError(

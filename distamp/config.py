@@ -87,16 +87,16 @@ class Properties:
             )
         # float("inf"): no cap (DeepSpeed's and torch.amp's); growth still stops at FP32's largest
         if self.max_loss_scale != float("inf"):
-            _check_positive_finite("max_loss_scale", self.max_loss_scale)
+            check_positive_finite("max_loss_scale", self.max_loss_scale)
         if self.min_loss_scale is not None:
-            _check_positive_finite("min_loss_scale", self.min_loss_scale)
+            check_positive_finite("min_loss_scale", self.min_loss_scale)
             if self.min_loss_scale > self.max_loss_scale:
                 raise ValueError(
                     f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
                     f"{self.min_loss_scale} > max_loss_scale={self.max_loss_scale}"
                 )
         if self.loss_scale != "dynamic":
-            _check_positive_finite("loss_scale", self.loss_scale)
+            check_positive_finite("loss_scale", self.loss_scale)
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -209,7 +209,7 @@ def parse_loss_scale(loss_scale: object) -> LossScale:
             ) from None
     else:
         raise ValueError(f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}')
-    _check_positive_finite("loss_scale", value)
+    check_positive_finite("loss_scale", value)
     return value
 
 
@@ -224,14 +224,21 @@ def parse_bool(name: str, value: object) -> bool | None:
     raise ValueError(f"{name}: expected True, False or None, got {value!r}")
 
 
-def _check_positive_finite(name: str, value: object) -> None:
+def check_positive_finite(name: str, value: object) -> None:
+    """A loss scale's setting: a positive finite number (not a bool)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or value <= 0
     ):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+        hint = ""
+        if name == "loss_scale" and value == 0 and not isinstance(value, bool):
+            hint = (
+                ' (DeepSpeed\'s "loss_scale": 0 means dynamic: loss_scale="dynamic", or a '
+                "distamp.LossScaler(...) with its settings: README, Migrating from DeepSpeed)"
+            )
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}{hint}")
 
 
 def resolve_properties(

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
+from .config import check_positive_finite
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -60,13 +61,6 @@ BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
 
 
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-
-
 class LossScaler:
     """The loss scale of one loss: static, or dynamic with growth, backoff, hysteresis and bounds."""
 
@@ -96,9 +90,9 @@ class LossScaler:
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
         if init_scale is not None:
-            _positive("init_scale", init_scale)
+            check_positive_finite("init_scale", init_scale)
         if loss_scale != "dynamic":
-            _positive("loss_scale", loss_scale)
+            check_positive_finite("loss_scale", loss_scale)
             if 1.0 / float(loss_scale) > torch.finfo(torch.float32).max:
                 # (an audit: accepted here, the first step crashed inside torch converting
                 # 1 / scale to FP32)
@@ -150,7 +144,7 @@ class LossScaler:
                     stacklevel=3,
                 )
             # never below the floor: 1 / scale must stay a finite FP32 number
-            scale = max(scale, min_loss_scale or 0.0, MIN_SCALE)
+            scale = float(max(scale, min_loss_scale or 0.0, MIN_SCALE))
         else:
             scale = float(loss_scale)
         self.scale: float = scale

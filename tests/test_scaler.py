@@ -316,3 +316,23 @@ def test_non_consecutive_hysteresis_walks_the_scale_down_as_deepspeeds_default()
     assert grows.scale == 16.0
     with pytest.raises(ValueError, match="consecutive_hysteresis: expected True or False"):
         LossScaler(consecutive_hysteresis="no")
+
+
+def test_deepspeeds_loss_scale_zero_is_refused_saying_it_means_dynamic():
+    """An audit: a DeepSpeed config's ``"loss_scale": 0`` (dynamic there) copied into wrap or a
+    LossScaler got a bare "expected a positive finite number"."""
+    with pytest.raises(ValueError, match=r'got 0 \(DeepSpeed\'s "loss_scale": 0 means dynamic'):
+        LossScaler(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"means dynamic: loss_scale=\"dynamic\""):
+        distamp.wrap(model, opt, opt_level="O2", loss_scale=0)
+    with pytest.raises(ValueError, match=r"got -1$"):
+        LossScaler(-1)
+
+
+def test_an_integer_init_scale_is_held_as_a_float():
+    """DESIGN: one float per loss (an audit: ``init_scale=2**16`` stayed an int until the scale
+    first moved)."""
+    scaler = LossScaler(init_scale=2**16, min_loss_scale=1)
+    assert type(scaler.scale) is float and scaler.scale == 65536.0

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from . import casting
 from .casting import NORM_TYPES, FP32NormModule
@@ -70,6 +69,11 @@ class FSDPParams(ModelGrads):
         self.model: weakref.ref[nn.Module] | None = None
         """The sharded model (weak), for the gradients FSDP holds unreduced: see
         :meth:`rescale_grads_`."""
+        self.backward_seen: Callable[[torch.Tensor], None] | None = None
+        """The hook :meth:`watch_unsharded` puts on the unsharded parameters (see
+        :class:`UnshardedReached`)."""
+        self.watched: set[int] = set()
+        """ids of the sharded parameters whose unsharded ones carry ``backward_seen``."""
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -175,12 +179,37 @@ class FSDPParams(ModelGrads):
         Float") at O2 (an audit; torch's own fully_shard with a MixedPrecisionPolicy fails
         alike). Before each backward, such a unit that has trainable parameters now has its
         dtypes set as its lazy init would have set them."""
-        for param_group in self._param_groups():
+        groups = self._param_groups()
+        for param_group in groups:
             params = getattr(param_group, "fsdp_params", ())
             if getattr(param_group, "_orig_dtype", False) is None and any(
                 fsdp_param.sharded_param.requires_grad for fsdp_param in params
             ):
                 param_group._init_mp_dtypes()
+        self.watch_unsharded(groups)
+
+    def watch_unsharded(self, groups: list[Any]) -> None:
+        """Put ``backward_seen`` on the unsharded parameter of each trainable sharded one the
+        optimizer holds (see :class:`UnshardedReached`). FSDP2 makes it at a unit's first
+        all-gather and keeps it (its storage is freed and refilled), so this runs as each block
+        begins, after a forward, and hooks what it has not yet; a parameter still frozen, or a
+        unit not yet gathered, is hooked at a later block."""
+        if self.backward_seen is None:
+            return
+        wanted = {id(p) for p in self.model_params if p.requires_grad}
+        if wanted <= self.watched:
+            return
+        for param_group in groups:
+            for fsdp_param in getattr(param_group, "fsdp_params", ()):
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if id(sharded) not in wanted or id(sharded) in self.watched:
+                    continue
+                if not isinstance(unsharded, torch.Tensor):
+                    continue
+                if unsharded.requires_grad and unsharded.is_leaf:
+                    unsharded.register_post_accumulate_grad_hook(self.backward_seen)
+                    self.watched.add(id(sharded))
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Collective: the norm over every shard of every gradient, each shard counted once (FP32
@@ -646,62 +675,39 @@ def fully_shard(
 
     st = AmpOptimizerState(scalers, 0, masters)
     _make_amp_optimizer(optimizer, st)
-    UnshardedWatch(st, model)
+    masters.backward_seen = UnshardedReached(st)
     return model, optimizer
 
 
-class UnshardedWatch:
+class UnshardedReached:
     """[Note: a backward outside scale_loss under FSDP] ``distamp.wrap`` sees every backward
     through a post-accumulate-grad hook on each parameter (``BackwardSeen``). FSDP accumulates
     into its unsharded parameters and then assigns the sharded ``.grad``, which no such hook
     sees, so a ``loss.backward()`` after a ``scale_loss`` block and before ``step()`` added
     gradients at scale 1.0 to the block's at the loss scale, and the step divided the sum by
     it: that loss's share shrank 65536-fold at O2 fp16, with only a warning blaming clipping
-    (an audit). The unsharded parameters get the hook instead: FSDP2 registers them on their
-    modules while the forward runs, and keeps them (their storage is freed and refilled), so a
-    forward pre-hook on each module holding parameters hooks them the first time it sees them,
-    and removes itself once all of that module's trainable ones are hooked. A backward reaching
-    them while the optimizer's gradients are scaled and no block of its group is open is
-    refused at the next block or the step, as under DDP; ``torch.autograd.grad`` (a gradient
-    penalty) accumulates nothing and fires no such hook. (Hooks on the model's outputs missed
-    outputs pytree does not open, a dataclass, and mistook another model's or the input's
-    gradient for this model's: a review.) Holds the optimizer's state weakly (see
-    ``BackwardSeen``)."""
-
-    def __init__(self, st: AmpOptimizerState, model: nn.Module) -> None:
-        self.seen = _UnshardedReached(st)
-        self.hooked: set[int] = set()
-        self.handles: dict[int, Any] = {}
-        for module in model.modules():
-            if next(module.parameters(recurse=False), None) is not None:
-                self.handles[id(module)] = module.register_forward_pre_hook(self)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        done = True
-        for param in module.parameters(recurse=False):
-            if id(param) in self.hooked:
-                continue
-            if isinstance(param, DTensor) or not param.requires_grad or not param.is_leaf:
-                done = False  # (still sharded, frozen, or a view: looked at again next time)
-                continue
-            param.register_post_accumulate_grad_hook(self.seen)
-            self.hooked.add(id(param))
-        if done:
-            self.handles.pop(id(module)).remove()
-
-
-class _UnshardedReached:
-    """See :class:`UnshardedWatch` (``BackwardSeen`` without the flags only ``distamp.wrap``
-    reads)."""
+    (an audit); and ``loss.backward()`` inside a block (apex's slip: updates 1/scale too
+    small) went unwarned. This hook goes on the unsharded parameter FSDP2 keeps for each
+    sharded one the optimizer holds (see :meth:`FSDPParams.watch_unsharded`), and does what
+    ``BackwardSeen`` does: it records that a backward reached them, and marks one that runs
+    while the optimizer's gradients are scaled and no block of its group is open, refused at
+    the next block or the step. ``torch.autograd.grad`` (a gradient penalty) accumulates
+    nothing and fires no such hook. (Hooks on the model's outputs, then on whatever each
+    module held in its forward, missed a dataclass output and a parameter used functionally,
+    mistook the input's or another optimizer's parameters for this one's, and cost every
+    forward: reviews.) Holds the optimizer's state weakly (see ``BackwardSeen``)."""
 
     def __init__(self, st: AmpOptimizerState) -> None:
         self.st = weakref.ref(st)
 
     def __call__(self, _: torch.Tensor) -> None:
         st = self.st()
-        if st is None or st.state is not OptState.SCALED:
+        if st is None:
             return
-        if not any(o.masters.blocks_open for o in st.group.optimizers):
+        st.backward_since_step = True
+        if st.state is OptState.SCALED and not any(
+            o.masters.blocks_open for o in st.group.optimizers
+        ):
             st.outside_between_blocks = True
 
 

@@ -864,13 +864,13 @@ def scale_loss(
         _refuse_after_outside_backward(st, group.scalers[loss_id].scale)
     scale = group.prepare_backward(loss_id, states)
     scaled = loss.float() * scale
-    watch = scaled.requires_grad and scale != 1.0 and all(st.watches_backward for st in states)
+    watch = scaled.requires_grad and scale != 1.0 and all(map(_sees_backward, states))
     through_scaled: list[bool] = []
     if watch:
         scaled.register_hook(lambda _: through_scaled.append(True))
     # The group's other optimizers: does this block's backward reach them too (see [Note: a block
     # that does not list an optimizer it reaches] in scaler.py)?
-    others = [o for o in group.optimizers if o not in states and o.watches_backward]
+    others = [o for o in group.optimizers if o not in states and _sees_backward(o)]
     before = [st.backward_since_step for st in (*states, *others)]
     for st in (*states, *others):
         st.backward_since_step = False
@@ -904,6 +904,12 @@ def scale_loss(
         )
     group.finish_backward(loss_id, states, scale, loss)
     group.reached_unlisted(foreign, loss_id, scale)
+
+
+def _sees_backward(st: Any) -> bool:
+    """Whether a hook records each backward that reaches ``st``'s parameters: ``BackwardSeen``
+    (wrap) or, under FSDP, ``UnshardedReached`` on the unsharded ones it has hooked."""
+    return bool(st.watches_backward or (st.masters.fsdp and getattr(st.masters, "watched", None)))
 
 
 def _refuse_after_outside_backward(st: Any, scale: float) -> None:

@@ -379,6 +379,73 @@ def test_a_gradient_penalty_through_the_outputs_between_blocks_is_not_refused_un
         assert steps == 1 and said == [], (steps, said)
 
 
+class _BodyAndProbe(nn.Module):
+    """A body the distamp optimizer steps, a probe head a plain optimizer steps, and a weight
+    used only functionally (``F.linear``: its module's forward never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.probe = nn.Linear(4, 1)
+        self.holder = nn.Module()
+        self.holder.w = nn.Parameter(torch.randn(4, 4) * 0.1)
+
+    def forward(self, x):
+        return F.linear(self.body(x), self.holder.w), self.probe(x), F.linear(x, self.holder.w)
+
+
+def _outside_backwards_under_fsdp(rank, world, case):
+    """``probe``: the probe's own loss backward outside the blocks (it reaches no parameter of
+    the distamp optimizer); ``functional``: a loss through the functional weight only; ``slip``:
+    ``loss.backward()`` inside the block (apex's slip)."""
+    torch.manual_seed(0)
+    model = _BodyAndProbe()
+    held = [*model.body.parameters(), model.holder.w]
+    opt = torch.optim.SGD(held, lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(
+        model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, blocks=()
+    )
+    probe_opt = torch.optim.SGD(model.probe.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    said = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            main, aux, functional = model(x)
+            loss = main.float().pow(2).mean()
+            with distamp.scale_loss(loss, opt) as scaled:
+                (loss if case == "slip" else scaled).backward(retain_graph=True)
+            if case == "probe":
+                aux.float().pow(2).mean().backward()
+            elif case == "functional":
+                functional.float().sum().backward()  # reaches holder.w alone
+            try:
+                opt.step()
+            except RuntimeError as err:
+                return str(err)
+            said += [str(w.message) for w in seen]
+        probe_opt.step()
+        opt.zero_grad()
+        probe_opt.zero_grad()
+    return distamp.stats(opt).steps, said
+
+
+@pytest.mark.parametrize("case", ["probe", "functional", "slip"])
+def test_which_backwards_outside_the_blocks_fsdp_tells_apart(case):
+    """Reviews: the probe head's own backward (no parameter of this optimizer) was refused, a
+    weight used functionally escaped the check, and ``loss.backward()`` inside a block gave
+    updates 1/scale too small with no word (DDP's wrap warns)."""
+    for result in run_ranks(_outside_backwards_under_fsdp, 2, case):
+        if case == "probe":
+            assert result == (2, []), result
+        elif case == "functional":
+            assert result.startswith("optimizer.step(): expected every backward"), result
+        else:
+            steps, said = result
+            assert steps == 2 and said, result
+            assert all("not through the scaled loss" in message for message in said), said
+
+
 def _gan_with_a_frozen_discriminator(rank, world):
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))

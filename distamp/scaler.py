@@ -1365,9 +1365,15 @@ class ScalerGroup:
                     if broken
                     else f"look for a NaN/inf produced by the forward pass or the loss itself{wire}"
                 )
+                # (the report of a non-finite loss says so itself: not twice, an audit)
+                advice = (
+                    where[:1].upper() + where[1:]
+                    if loss_itself
+                    else f"Lowering the loss scale does not fix this; {where}"
+                )
                 raise NonFiniteGradientError(
-                    f"loss {j}: {reason}: {what}. Lowering the loss scale does not fix this; "
-                    f"{where} (max_consecutive_skips / min_loss_scale set this limit)"
+                    f"loss {j}: {reason}: {what}. {advice} (max_consecutive_skips / "
+                    "min_loss_scale set this limit)"
                 )
 
 

@@ -302,6 +302,25 @@ def test_the_global_clipping_habits_stay_silent_under_sharded_masters(how):
         assert torch.equal(value, w1[name]), name
 
 
+def _write_inf_where_another_rank_steps(opt, model):
+    """An inf in one gradient element this rank does not step (sharded masters: another rank's
+    shard), else (replicated) in the first gradient."""
+    masters = opt._distamp.masters
+    if not masters.sharded:
+        next(model.parameters()).grad.fill_(float("inf"))
+        return
+    for g in masters.groups:
+        for index, param in enumerate(g.params):
+            mine = {
+                i for at, src, count, _ in g.pieces if at == index for i in range(src, src + count)
+            }
+            free = next((i for i in range(param.numel()) if i not in mine), None)
+            if free is not None:
+                param.grad.view(-1)[free] = float("inf")
+                return
+    raise AssertionError("this rank steps every element")
+
+
 def _edit_after_unscale(rank, world, level, shard, hook, who):
     """Edits after unscale_ that make a gradient non-finite: one rank writes an inf, or every
     rank divides a zero gradient by its zero norm (0/0)."""
@@ -321,6 +340,8 @@ def _edit_after_unscale(rank, world, level, shard, hook, who):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if step == 1 and who == "one rank" and rank == 0:  # (sharded: in the part it steps)
             next(model.parameters()).grad.fill_(float("inf"))
+        if step == 1 and who == "one rank, in another's part" and rank == 1:
+            _write_inf_where_another_rank_steps(opt, model)
         if step == 1 and who == "an inf here, a NaN there":
             next(model.parameters()).grad.fill_(float("inf") if rank == 0 else float("nan"))
         if step == 1 and who == "every rank":
@@ -341,20 +362,26 @@ def _edit_after_unscale(rank, world, level, shard, hook, who):
     [("O1", None, False), ("O2", False, True), ("O2", True, True), ("O0", True, True)],
     ids=["O1", "O2-replicated", "O2-sharded", "O0-sharded"],
 )
-@pytest.mark.parametrize("who", ["one rank", "every rank", "an inf here, a NaN there"])
+@pytest.mark.parametrize(
+    "who", ["one rank", "one rank, in another's part", "every rank", "an inf here, a NaN there"]
+)
 def test_a_gradient_made_non_finite_after_unscale_skips_the_step_on_every_rank(
     level, shard, hook, who
 ):
     """An audit: the early decision of unscale_ stepped it — NaN weights on one rank (the ranks
     parted), or NaN FP32 masters the gather spread to every rank. Rank 0's inf and rank 1's NaN
-    were reported as "a NaN on rank 0" (the rank and the kind reduced apart, an audit)."""
+    were reported as "a NaN on rank 0" (the rank and the kind reduced apart, an audit). With
+    sharded masters an inf one rank wrote where another rank steps was dropped (an audit)."""
     results = run_ranks(_edit_after_unscale, 2, level, shard, hook, who)
     for seen, weights in results:
         assert [s[0] for s in seen] == [False, True, False], seen
         assert [s[1] for s in seen] == [True, False, True], seen
         assert "finite at distamp.unscale_" in seen[1][2]
         # the lowest rank whose stepped gradients held it (sharded: the owner of the bias)
-        assert "on rank 0" in seen[1][2] or (who == "every rank" and shard)
+        if who == "one rank, in another's part":
+            assert "on rank 1" in seen[1][2], seen
+        else:
+            assert "on rank 0" in seen[1][2] or (who == "every rank" and shard)
         assert ("a NaN" if who == "every rank" else "an inf") in seen[1][2]
         assert torch.isfinite(weights).all()
     assert torch.equal(results[0][1], results[1][1])

@@ -53,7 +53,7 @@ class MasterWeights(Protocol):
     def expose_unscaled(self, inv_scale: float) -> None: ...
     def expose_clipped(self, coef: torch.Tensor) -> None: ...
     def separate_params(self) -> list[nn.Parameter]: ...
-    def take_modified_model_grads(self) -> None: ...
+    def take_modified_model_grads(self) -> list[nn.Parameter]: ...
     def shard_grad_versions(self) -> list[tuple[int, int] | None]: ...
     def shard_grad_sample(self) -> torch.Tensor | None: ...
     def scaled_grad_sample(self) -> torch.Tensor | None: ...
@@ -227,11 +227,12 @@ class ModelGrads:
         params = self.separate_params()
         self.exposed = dict(zip(map(id, params), grad_versions(params), strict=True))
 
-    def take_modified_model_grads(self) -> None:
-        """See [Note: unscale_ then torch's clip_grad_norm_]: re-read modified model gradients."""
+    def take_modified_model_grads(self) -> list[nn.Parameter]:
+        """See [Note: unscale_ then torch's clip_grad_norm_]: re-read modified model gradients;
+        returns the parameters whose gradients were."""
         exposed = getattr(self, "exposed", None)
         if not exposed:
-            return
+            return []
         self.exposed = {}
         params = self.separate_params()
         changed = [
@@ -241,6 +242,7 @@ class ModelGrads:
         ]
         if changed:
             self.reload_master_grads(changed)
+        return changed
 
     def reload_master_grads(self, params: list[nn.Parameter]) -> None:
         """Master gradients of ``params`` from their (already unscaled) model gradients."""

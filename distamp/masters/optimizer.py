@@ -392,11 +392,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         _warn_if_edited_after_clip(st)
         st.group.update_finished_losses()  # see [Note: the scale moves at step()]
         _warn_if_shards_touched(st)
-        st.masters.take_modified_model_grads()
+        modified = st.masters.take_modified_model_grads()
         assert st.overflow is not None
         # every rank alike: see [Note: what the ranks' blocks are, and who decided early]
         early = st.early_anywhere or (decided_early and st.group.process_group is None)
-        edited = _edited_nonfinite(st) if early and not st.overflow else None
+        edited = _edited_nonfinite(st, modified) if early and not st.overflow else None
         st.steps += not placeholder
         st.last_step_skipped = st.overflow or edited is not None
         st.in_step = True
@@ -794,7 +794,9 @@ def _warn(message: str) -> None:
     warn_from_caller(message, _TORCH_OPTIM_DIR)
 
 
-def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:
+def _edited_nonfinite(
+    st: AmpOptimizerState, modified: list[nn.Parameter]
+) -> NonFiniteReport | None:
     """[Note: gradients edited after unscale_] ``unscale_`` (and ``clip_grad_norm_``) decide the
     skip early, and the edits made after it are stepped (torch's clipping habit). An edit that
     made a gradient non-finite — ``g.div_(g.norm())`` of a zero gradient, a write on one rank —
@@ -802,13 +804,21 @@ def _edited_nonfinite(st: AmpOptimizerState) -> NonFiniteReport | None:
     masters the gather spread to every rank (an audit). So after an early decision the gradients
     about to be stepped are checked again, one more MAX all-reduce on that path only, and every
     rank skips together; the loss scale is left alone (no overflow of the scaled gradients).
-    Returns the report, or None (go on)."""
+    Returns the report, or None (go on).
+
+    With sharded masters a rank steps only its shard, so an edit of a part another rank owns
+    never reached a gradient it checks: an inf written on one rank was dropped silently, or
+    its clip by an inf norm zeroed that rank's copies of the replicated parameters' gradients
+    and the ranks parted (an audit). The model gradients edited since ``unscale_``
+    (``modified``) are checked whole too."""
     grads = [local_tensor(g) for g in st.masters.step_grads()]
+    if st.masters.sharded:
+        grads += [p.grad for p in modified if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     flag = nonfinite_flag(grads, device)
     group = st.group
     local = bool(flag)
-    nan = local and any(bool(torch.isnan(g).any()) for g in grads)
+    nan = local and any(bool(torch.isnan(g._values() if g.is_sparse else g).any()) for g in grads)
     # the lowest rank holding one, with its own kind in the last base-3 digit (two slots MAX-
     # reduced apart paired rank 0's inf with rank 1's NaN, an audit)
     vector = torch.tensor(

@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import overhead  # noqa: E402
 from compare import (  # noqa: E402
     BF16_CONFIGS,
     FP32_CONFIGS,
@@ -207,6 +209,25 @@ def test_memory_table_accounts_for_what_each_row_holds():
     assert float(sharded["optimizer state"]) == pytest.approx(fp32_weights, rel=0.05)
     for row in table.values():
         assert float(row["peak RSS"]) > float(row["before model"]) > 0
+
+
+def test_overhead_table_has_every_configuration_and_each_trains():
+    """benchmarks/overhead.py --quick: every configuration lands in the table with a positive
+    time and its ratios, and each step function trains (its loss goes down)."""
+    out = run_benchmark("overhead.py", "--quick", timeout=300)
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    names = [line.strip("|").split("|")[0].strip() for line in lines[1:]]
+    assert names == overhead.CONFIGS
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[1]) > 0 and cells[3].endswith("x") and cells[4].endswith("x"), line
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    for config in overhead.CONFIGS:
+        step = overhead.build(config, 2)
+        first = float(step(x, y))
+        for _ in range(20):
+            last = float(step(x, y))
+        assert last < first, (config, first, last)
 
 
 def test_profile_writes_rank_0s_trace_and_op_table(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -196,10 +197,9 @@ def parse_loss_scale(loss_scale: object) -> LossScale:
     """Accept "dynamic", a number, or a numeric string (apex's command-line habit)."""
     if loss_scale == "dynamic":
         return "dynamic"
-    if isinstance(loss_scale, bool):
-        raise ValueError(f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}')
-    if isinstance(loss_scale, (int, float)):
-        value = float(loss_scale)
+    number = as_number(loss_scale)
+    if number is not None:
+        value = number
     elif isinstance(loss_scale, str):
         try:
             value = float(loss_scale)
@@ -209,8 +209,7 @@ def parse_loss_scale(loss_scale: object) -> LossScale:
             ) from None
     else:
         raise ValueError(f'loss_scale: expected "dynamic" or a positive number, got {loss_scale!r}')
-    check_positive_finite("loss_scale", value)
-    return value
+    return check_positive_finite("loss_scale", value)
 
 
 def parse_bool(name: str, value: object) -> bool | None:
@@ -224,21 +223,35 @@ def parse_bool(name: str, value: object) -> bool | None:
     raise ValueError(f"{name}: expected True, False or None, got {value!r}")
 
 
-def check_positive_finite(name: str, value: object) -> None:
-    """A loss scale's setting: a positive finite number (not a bool)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+def as_number(value: object) -> float | None:
+    """``value`` as a float when it is a real number — Python's, numpy's (``np.float32(128)``,
+    ``np.int64``) or a one-element torch tensor — and not a bool; else None (an audit: numpy
+    and torch scalars were refused, and ``10**400`` raised a bare OverflowError)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy's bool)
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+    elif not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def check_positive_finite(name: str, value: object) -> float:
+    """A loss scale's setting: a positive finite real number (not a bool), as a float."""
+    number = as_number(value)
+    if number is None or not math.isfinite(number) or number <= 0:
         hint = ""
-        if name == "loss_scale" and value == 0 and not isinstance(value, bool):
+        if name == "loss_scale" and number == 0:
             hint = (
                 ' (DeepSpeed\'s "loss_scale": 0 means dynamic: loss_scale="dynamic", or a '
                 "distamp.LossScaler(...) with its settings: README, Migrating from DeepSpeed)"
             )
         raise ValueError(f"{name}: expected a positive finite number, got {value!r}{hint}")
+    return number
 
 
 def resolve_properties(

@@ -74,6 +74,8 @@ class FSDPParams(ModelGrads):
         :class:`UnshardedReached`)."""
         self.watched: set[int] = set()
         """ids of the sharded parameters whose unsharded ones carry ``backward_seen``."""
+        self.watched_directly: set[int] = set()
+        """ids of the sharded parameters that carry it themselves."""
 
     def add_group(
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
@@ -196,9 +198,18 @@ class FSDPParams(ModelGrads):
         unit not yet gathered, is hooked at a later block."""
         if self.backward_seen is None:
             return
-        wanted = {id(p) for p in self.model_params if p.requires_grad}
+        trainable = [p for p in self.model_params if p.requires_grad]
+        wanted = {id(p) for p in trainable}
         if wanted <= self.watched:
             return
+        for param in trainable:
+            # The sharded parameters themselves: a backward through them outside any forward
+            # (an L2 penalty over model.parameters()) accumulates into them directly, where
+            # FSDP only ever assigns their .grad (a review: such a penalty was divided by the
+            # loss scale, silently).
+            if id(param) not in self.watched_directly and param.is_leaf:
+                param.register_post_accumulate_grad_hook(self.backward_seen)
+                self.watched_directly.add(id(param))
         for param_group in groups:
             for fsdp_param in getattr(param_group, "fsdp_params", ()):
                 sharded = getattr(fsdp_param, "sharded_param", None)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .config import check_positive_finite
+from .config import as_number, check_positive_finite, parse_loss_scale
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -90,9 +90,9 @@ class LossScaler:
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
         if init_scale is not None:
-            check_positive_finite("init_scale", init_scale)
+            init_scale = check_positive_finite("init_scale", init_scale)
+        loss_scale = parse_loss_scale(loss_scale)  # (as wrap's: a numeric string too)
         if loss_scale != "dynamic":
-            check_positive_finite("loss_scale", loss_scale)
             if 1.0 / float(loss_scale) > torch.finfo(torch.float32).max:
                 # (an audit: accepted here, the first step crashed inside torch converting
                 # 1 / scale to FP32)
@@ -100,8 +100,19 @@ class LossScaler:
                     f"loss_scale: expected a static scale whose inverse is a finite FP32 number "
                     f"(at least {MIN_SCALE:g}, 2**-100, is safe), got {float(loss_scale):g}"
                 )
-        if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale > 0):
+        # Held as floats (an audit: an int cap or floor made the scale an int after a growth,
+        # a backoff or a load); checked here, not only at wrap (an audit: True started at 1.0).
+        cap = as_number(max_loss_scale)
+        if cap is None or not cap > 0:
             raise ValueError(f"max_loss_scale: expected a positive number, got {max_loss_scale!r}")
+        max_loss_scale = cap
+        if min_loss_scale is not None:
+            min_loss_scale = check_positive_finite("min_loss_scale", min_loss_scale)
+            if min_loss_scale > max_loss_scale:
+                raise ValueError(
+                    f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
+                    f"{min_loss_scale:g} > max_loss_scale={max_loss_scale:g}"
+                )
         if loss_scale == "dynamic" and init_scale is not None and init_scale > max_loss_scale:
             raise ValueError(
                 f"init_scale: expected at most max_loss_scale ({max_loss_scale:g}), got "

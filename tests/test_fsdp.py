@@ -405,6 +405,7 @@ def _outside_backwards_under_fsdp(rank, world, case):
     model, opt = distamp.fsdp.fully_shard(
         model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0, blocks=()
     )
+    held = [p for group in opt.param_groups for p in group["params"]]
     probe_opt = torch.optim.SGD(model.probe.parameters(), lr=0.1)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     said = []
@@ -413,8 +414,12 @@ def _outside_backwards_under_fsdp(rank, world, case):
             warnings.simplefilter("always")
             main, aux, functional = model(x)
             loss = main.float().pow(2).mean()
+            if case == "l2 inside":  # an L2 penalty over the sharded parameters themselves
+                loss = loss + sum(p.float().pow(2).sum().full_tensor() for p in held) * 1e-2
             with distamp.scale_loss(loss, opt) as scaled:
                 (loss if case == "slip" else scaled).backward(retain_graph=True)
+            if case == "l2 outside":
+                (sum(p.float().pow(2).sum().full_tensor() for p in held) * 1e-2).backward()
             if case == "probe":
                 aux.float().pow(2).mean().backward()
             elif case == "functional":
@@ -430,15 +435,16 @@ def _outside_backwards_under_fsdp(rank, world, case):
     return distamp.stats(opt).steps, said
 
 
-@pytest.mark.parametrize("case", ["probe", "functional", "slip"])
+@pytest.mark.parametrize("case", ["probe", "functional", "slip", "l2 inside", "l2 outside"])
 def test_which_backwards_outside_the_blocks_fsdp_tells_apart(case):
     """Reviews: the probe head's own backward (no parameter of this optimizer) was refused, a
-    weight used functionally escaped the check, and ``loss.backward()`` inside a block gave
-    updates 1/scale too small with no word (DDP's wrap warns)."""
+    weight used functionally escaped the check, ``loss.backward()`` inside a block gave
+    updates 1/scale too small with no word (DDP's wrap warns), and an L2 penalty over the
+    sharded parameters backpropagated outside the blocks was divided by the loss scale."""
     for result in run_ranks(_outside_backwards_under_fsdp, 2, case):
-        if case == "probe":
+        if case in ("probe", "l2 inside"):
             assert result == (2, []), result
-        elif case == "functional":
+        elif case in ("functional", "l2 outside"):
             assert result.startswith("optimizer.step(): expected every backward"), result
         else:
             steps, said = result

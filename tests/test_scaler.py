@@ -321,13 +321,15 @@ def test_non_consecutive_hysteresis_walks_the_scale_down_as_deepspeeds_default()
 def test_deepspeeds_loss_scale_zero_is_refused_saying_it_means_dynamic():
     """An audit: a DeepSpeed config's ``"loss_scale": 0`` (dynamic there) copied into wrap or a
     LossScaler got a bare "expected a positive finite number"."""
-    with pytest.raises(ValueError, match=r'got 0 \(DeepSpeed\'s "loss_scale": 0 means dynamic'):
+    with pytest.raises(
+        ValueError, match=r'got 0(\.0)? \(DeepSpeed\'s "loss_scale": 0 means dynamic'
+    ):
         LossScaler(0)
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"means dynamic: loss_scale=\"dynamic\""):
         distamp.wrap(model, opt, opt_level="O2", loss_scale=0)
-    with pytest.raises(ValueError, match=r"got -1$"):
+    with pytest.raises(ValueError, match=r"got -1(\.0)?$"):
         LossScaler(-1)
 
 
@@ -336,3 +338,30 @@ def test_an_integer_init_scale_is_held_as_a_float():
     first moved)."""
     scaler = LossScaler(init_scale=2**16, min_loss_scale=1)
     assert type(scaler.scale) is float and scaler.scale == 65536.0
+
+
+def test_scale_settings_take_any_real_number_and_stay_floats():
+    """Reviews: an int cap or floor made the scale an int after a growth or a backoff; numpy and
+    torch scalars were refused, 10**400 raised a bare OverflowError; bounds that wrap refuses
+    were accepted by LossScaler (max_loss_scale=True started at 1.0); a numeric string was
+    refused by LossScaler and taken by wrap."""
+    import numpy as np
+
+    scaler = LossScaler(init_scale=4, min_loss_scale=1, max_loss_scale=8, growth_interval=1)
+    scaler.update(False)
+    assert type(scaler.scale) is float and scaler.scale == 8.0
+    for _ in range(5):
+        scaler.update(True)
+    assert type(scaler.scale) is float and scaler.scale == 1.0
+    assert LossScaler(np.float32(128)).scale == LossScaler(torch.tensor(128.0)).scale == 128.0
+    assert LossScaler("128.0").scale == 128.0
+    assert LossScaler(init_scale=np.int64(4)).scale == 4.0
+    for bad in (
+        {"min_loss_scale": 0},
+        {"min_loss_scale": True},
+        {"max_loss_scale": True},
+        {"min_loss_scale": 16, "max_loss_scale": 8},
+        {"init_scale": 10**400},
+    ):
+        with pytest.raises(ValueError, match=r"expected a positive|must be <="):
+            LossScaler(**bad)

@@ -86,18 +86,26 @@ class Properties:
             raise ValueError(
                 f"max_consecutive_skips: expected an int >= 1, got {self.max_consecutive_skips!r}"
             )
+        # Held as Python floats, whatever number was given (numpy's, a tensor): the properties go
+        # into state dicts and checkpoints, which load with weights_only=True, and into the
+        # ranks' fingerprint (a review: np.float32 made a checkpoint that could not be loaded).
         # float("inf"): no cap (DeepSpeed's and torch.amp's); growth still stops at FP32's largest
-        if self.max_loss_scale != float("inf"):
-            check_positive_finite("max_loss_scale", self.max_loss_scale)
+        cap = as_number(self.max_loss_scale)
+        if cap != float("inf"):
+            cap = check_positive_finite("max_loss_scale", self.max_loss_scale)
+        object.__setattr__(self, "max_loss_scale", cap)
         if self.min_loss_scale is not None:
-            check_positive_finite("min_loss_scale", self.min_loss_scale)
+            floor = check_positive_finite("min_loss_scale", self.min_loss_scale)
+            object.__setattr__(self, "min_loss_scale", floor)
             if self.min_loss_scale > self.max_loss_scale:
                 raise ValueError(
                     f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
                     f"{self.min_loss_scale} > max_loss_scale={self.max_loss_scale}"
                 )
         if self.loss_scale != "dynamic":
-            check_positive_finite("loss_scale", self.loss_scale)
+            object.__setattr__(
+                self, "loss_scale", check_positive_finite("loss_scale", self.loss_scale)
+            )
 
     @property
     def dynamic_loss_scale(self) -> bool:

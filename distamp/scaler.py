@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import warnings
 import weakref
 import zlib
@@ -61,6 +62,11 @@ BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
 
 
+def _is_int(value: object) -> bool:
+    """An integer, Python's or numpy's, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class LossScaler:
     """The loss scale of one loss: static, or dynamic with growth, backoff, hysteresis and bounds."""
 
@@ -81,14 +87,21 @@ class LossScaler:
             raise ValueError(
                 f"consecutive_hysteresis: expected True or False, got {consecutive_hysteresis!r}"
             )
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor: expected > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor: expected in (0, 1), got {backoff_factor}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+        # Python floats and ints whatever number was given: the scale and these settings go into
+        # state dicts and checkpoints (weights_only=True) and the ranks' fingerprint (a review:
+        # an np.float32 growth_factor made the scale an np.float32, a checkpoint unloadable).
+        growth = as_number(growth_factor)
+        if growth is None or not 1.0 < growth < float("inf"):
+            raise ValueError(f"growth_factor: expected a finite number > 1, got {growth_factor!r}")
+        backoff = as_number(backoff_factor)
+        if backoff is None or not 0.0 < backoff < 1.0:
+            raise ValueError(f"backoff_factor: expected in (0, 1), got {backoff_factor!r}")
+        growth_factor, backoff_factor = growth, backoff
+        if not (_is_int(growth_interval) and growth_interval >= 1):
             raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval!r}")
-        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+        if not (_is_int(hysteresis) and hysteresis >= 1):
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        growth_interval, hysteresis = int(growth_interval), int(hysteresis)
         if init_scale is not None:
             init_scale = check_positive_finite("init_scale", init_scale)
         loss_scale = parse_loss_scale(loss_scale)  # (as wrap's: a numeric string too)
@@ -1108,8 +1121,8 @@ class ScalerGroup:
         if len({len(groups) for groups in gathered}) > 1:
             counts = ", ".join(f"rank {r}: {len(g)}" for r, g in zip(ranks, gathered, strict=True))
             found.append(f"different numbers of param groups ({counts})")
-        for g, numbers in enumerate(gathered[0]):
-            for key in numbers:
+        for g, settings in enumerate(gathered[0]):
+            for key in settings:
                 seen = [groups[g].get(key) if g < len(groups) else None for groups in gathered]
                 if any(value != seen[0] for value in seen):
                     shown = ", ".join(

@@ -365,3 +365,46 @@ def test_scale_settings_take_any_real_number_and_stay_floats():
     ):
         with pytest.raises(ValueError, match=r"expected a positive|must be <="):
             LossScaler(**bad)
+
+
+def test_numpy_scale_settings_leave_only_plain_numbers_in_the_state_dict(tmp_path):
+    """A review: an np.float32 growth_factor made the scale an np.float32 after its first
+    growth, and numpy min/max_loss_scale stayed numpy in the properties: the optimizer's state
+    dict (and a checkpoint) no longer loaded with weights_only=True."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(
+        init_scale=np.float32(256),
+        growth_factor=np.float32(2.0),
+        backoff_factor=np.float32(0.5),
+        growth_interval=np.int64(1),
+        hysteresis=np.int64(1),
+        min_loss_scale=np.float32(1.0),
+        max_loss_scale=np.float64(2.0**20),
+    )
+    model, opt = distamp.wrap(model, opt, opt_level="O2", loss_scale=scaler)
+    other = torch.nn.Linear(4, 4)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    _, other_opt = distamp.wrap(
+        other,
+        other_opt,
+        opt_level="O2",
+        min_loss_scale=np.float32(1.0),
+        max_loss_scale=np.float64(2.0**20),
+    )
+    torch.save(other_opt.state_dict(), tmp_path / "other.pt")
+    properties = torch.load(tmp_path / "other.pt", weights_only=True)["distamp"]["properties"]
+    assert type(properties["min_loss_scale"]) is float
+    assert type(properties["max_loss_scale"]) is float
+    for _ in range(2):
+        with distamp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    assert distamp.stats(opt).loss_scales == (1024.0,)
+    assert all(type(s) is float for s in distamp.stats(opt).loss_scales)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    assert torch.load(tmp_path / "opt.pt", weights_only=True)["distamp"]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
+from .config import as_number
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -82,20 +83,24 @@ class GradScaler:
                 f"max_consecutive_skips: expected an int >= 1 or None, got "
                 f"{max_consecutive_skips!r}"
             )
-        if (
-            isinstance(init_scale, bool)
-            or not isinstance(init_scale, (int, float))
-            or not 0 < init_scale < float("inf")
-        ):
+        # Any real number, as torch takes (numpy's, a one-element tensor: a review), held as a
+        # Python float: the scale and these go into state dicts loaded with weights_only=True.
+        number = as_number(init_scale)
+        if number is None or not 0 < number < float("inf"):
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
+        init_scale = number
         checked = [("max_scale", max_scale)]
         if enabled:  # torch checks the factors only when enabled
             checked += [("growth_factor", growth_factor), ("backoff_factor", backoff_factor)]
         for name, value in checked:  # a bare comparison TypeError named neither (an audit)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if as_number(value) is None:
                 raise TypeError(
                     f"GradScaler: {name}: expected a number, got {type(value).__name__} {value!r}"
                 )
+        max_scale = float(as_number(max_scale))  # type: ignore[arg-type]
+        if enabled:
+            growth_factor = float(as_number(growth_factor))  # type: ignore[arg-type]
+            backoff_factor = float(as_number(backoff_factor))  # type: ignore[arg-type]
         if not max_scale > 0:
             raise ValueError(f"GradScaler: max_scale: expected a positive number, got {max_scale}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):

@@ -691,3 +691,28 @@ def test_torchs_private_scaler_attributes_say_what_to_use_instead():
     with pytest.raises(AttributeError, match=r"has no attribute 'nonsense'$"):
         _ = scaler.nonsense
     assert scaler.get_scale() == 65536.0
+
+
+def test_numpy_and_tensor_settings_are_taken_as_torch_takes_them(tmp_path):
+    """A review: ``GradScaler(init_scale=np.float32(1024))`` (torch takes it) was refused; held
+    as floats, so the state dict loads with weights_only=True."""
+    import numpy as np
+
+    scaler = distamp.GradScaler(
+        "cpu",
+        init_scale=np.float32(1024),
+        growth_factor=torch.tensor(2.0),
+        backoff_factor=np.float64(0.5),
+        growth_interval=np.int64(1),
+    )
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.randn(3, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2048.0 and type(scaler.get_scale()) is float
+    torch.save(scaler.state_dict(), tmp_path / "scaler.pt")
+    state = torch.load(tmp_path / "scaler.pt", weights_only=True)
+    assert state["scale"] == 2048.0 and state["growth_factor"] == 2.0
+    with pytest.raises(TypeError, match=r"growth_factor: expected a number, got str"):
+        distamp.GradScaler("cpu", growth_factor="2")

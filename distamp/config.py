@@ -90,18 +90,9 @@ class Properties:
         # into state dicts and checkpoints, which load with weights_only=True, and into the
         # ranks' fingerprint (a review: np.float32 made a checkpoint that could not be loaded).
         # float("inf"): no cap (DeepSpeed's and torch.amp's); growth still stops at FP32's largest
-        cap = as_number(self.max_loss_scale)
-        if cap != float("inf"):
-            cap = check_positive_finite("max_loss_scale", self.max_loss_scale)
+        floor, cap = check_scale_bounds(self.min_loss_scale, self.max_loss_scale)
+        object.__setattr__(self, "min_loss_scale", floor)
         object.__setattr__(self, "max_loss_scale", cap)
-        if self.min_loss_scale is not None:
-            floor = check_positive_finite("min_loss_scale", self.min_loss_scale)
-            object.__setattr__(self, "min_loss_scale", floor)
-            if self.min_loss_scale > self.max_loss_scale:
-                raise ValueError(
-                    f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
-                    f"{self.min_loss_scale} > max_loss_scale={self.max_loss_scale}"
-                )
         if self.loss_scale != "dynamic":
             object.__setattr__(
                 self, "loss_scale", check_positive_finite("loss_scale", self.loss_scale)
@@ -246,6 +237,29 @@ def as_number(value: object) -> float | None:
         return float(value)
     except OverflowError:
         return math.inf
+
+
+def check_scale_bounds(
+    min_loss_scale: object, max_loss_scale: object
+) -> tuple[float | None, float]:
+    """``min_loss_scale`` (None: no floor) and ``max_loss_scale`` (``float("inf")``: no cap) as
+    floats, checked: positive, the floor finite and not above the cap (wrap's properties and
+    LossScaler's alike)."""
+    cap = as_number(max_loss_scale)
+    if cap is None or math.isnan(cap) or not cap > 0:
+        raise ValueError(
+            f"max_loss_scale: expected a positive number (float('inf') for no cap), got "
+            f"{max_loss_scale!r}"
+        )
+    if min_loss_scale is None:
+        return None, cap
+    floor = check_positive_finite("min_loss_scale", min_loss_scale)
+    if floor > cap:
+        raise ValueError(
+            f"min_loss_scale must be <= max_loss_scale, got min_loss_scale={floor:g} > "
+            f"max_loss_scale={cap:g}"
+        )
+    return floor, cap
 
 
 def check_positive_finite(name: str, value: object) -> float:

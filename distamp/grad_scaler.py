@@ -89,18 +89,20 @@ class GradScaler:
         if number is None or not 0 < number < float("inf"):
             raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
         init_scale = number
-        checked = [("max_scale", max_scale)]
+        checked = {"max_scale": max_scale}
         if enabled:  # torch checks the factors only when enabled
-            checked += [("growth_factor", growth_factor), ("backoff_factor", backoff_factor)]
-        for name, value in checked:  # a bare comparison TypeError named neither (an audit)
-            if as_number(value) is None:
+            checked |= {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
+        numbers: dict[str, float] = {}
+        for name, value in checked.items():  # a bare comparison TypeError named neither (an audit)
+            number = as_number(value)
+            if number is None:
                 raise TypeError(
                     f"GradScaler: {name}: expected a number, got {type(value).__name__} {value!r}"
                 )
-        max_scale = float(as_number(max_scale))  # type: ignore[arg-type]
-        if enabled:
-            growth_factor = float(as_number(growth_factor))  # type: ignore[arg-type]
-            backoff_factor = float(as_number(backoff_factor))  # type: ignore[arg-type]
+            numbers[name] = number
+        max_scale = numbers["max_scale"]
+        growth_factor = numbers.get("growth_factor", growth_factor)
+        backoff_factor = numbers.get("backoff_factor", backoff_factor)
         if not max_scale > 0:
             raise ValueError(f"GradScaler: max_scale: expected a positive number, got {max_scale}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .config import as_number, check_positive_finite, parse_loss_scale
+from .config import as_number, check_positive_finite, check_scale_bounds, parse_loss_scale
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -115,17 +115,7 @@ class LossScaler:
                 )
         # Held as floats (an audit: an int cap or floor made the scale an int after a growth,
         # a backoff or a load); checked here, not only at wrap (an audit: True started at 1.0).
-        cap = as_number(max_loss_scale)
-        if cap is None or not cap > 0:
-            raise ValueError(f"max_loss_scale: expected a positive number, got {max_loss_scale!r}")
-        max_loss_scale = cap
-        if min_loss_scale is not None:
-            min_loss_scale = check_positive_finite("min_loss_scale", min_loss_scale)
-            if min_loss_scale > max_loss_scale:
-                raise ValueError(
-                    f"min_loss_scale must be <= max_loss_scale, got min_loss_scale="
-                    f"{min_loss_scale:g} > max_loss_scale={max_loss_scale:g}"
-                )
+        min_loss_scale, max_loss_scale = check_scale_bounds(min_loss_scale, max_loss_scale)
         if loss_scale == "dynamic" and init_scale is not None and init_scale > max_loss_scale:
             raise ValueError(
                 f"init_scale: expected at most max_loss_scale ({max_loss_scale:g}), got "

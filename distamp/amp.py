@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import casting
+from .config import check_positive_finite
 from .masters.optimizer import AmpOptimizer, inner_optimizer
 from .optstate import OptState
 from .scaler import LossScaler, ScalerGroup
@@ -175,15 +176,12 @@ class _ScalerView:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
-            raise ValueError(
-                f"amp._amp_state.loss_scalers[i]._loss_scale: expected a positive finite number, "
-                f"got {value!r}"
-            )
+        # (numpy's and tensor numbers too, held as a float: an audit)
+        scale = check_positive_finite("amp._amp_state.loss_scalers[i]._loss_scale", value)
         if self._scaler.dynamic:  # kept inside min/max_loss_scale, as a loaded scale is
-            self._scaler.set_loaded_scale(float(value), "the _loss_scale set,", stacklevel=3)
+            self._scaler.set_loaded_scale(scale, "the _loss_scale set,", stacklevel=3)
         else:  # apex's static scaler takes the value set
-            self._scaler.scale = float(value)
+            self._scaler.scale = scale
 
     @property
     def _unskipped(self) -> int:

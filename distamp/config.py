@@ -24,6 +24,9 @@ DISABLED_GROUP_ATTR = "_distamp_disabled_group"
 which the checkpoint functions run over (an audit: they ran over the whole world, and groups
 that saved apart crashed, a one-rank group's save waited for ranks that never came)."""
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP32_MAX = torch.finfo(torch.float32).max
+"""The largest loss scale a loss may be multiplied by, or a setting may name (the scaled loss is
+FP32)."""
 
 LossScale = float | Literal["dynamic"]
 
@@ -74,18 +77,15 @@ class Properties:
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(f"{name}: expected None or one of {_FLOAT_DTYPES}, got {value!r}")
-        if (
-            isinstance(self.num_losses, bool)
-            or not isinstance(self.num_losses, int)
-            or self.num_losses < 1
-        ):
-            raise ValueError(f"num_losses: expected an int >= 1, got {self.num_losses!r}")
-        if not isinstance(self.verbosity, int) or self.verbosity < 0:
-            raise ValueError(f"verbosity: expected an int >= 0, got {self.verbosity!r}")
-        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
-            raise ValueError(
-                f"max_consecutive_skips: expected an int >= 1, got {self.max_consecutive_skips!r}"
-            )
+        # Python ints whatever integer was given (numpy's, a one-element integer tensor), as the
+        # loss-scale settings below (an audit: np.int64(2) was refused here, taken by LossScaler)
+        for name, low in (("num_losses", 1), ("verbosity", 0), ("max_consecutive_skips", 1)):
+            given = getattr(self, name)
+            # (verbosity=True/False: a log switch, apex's habit; a bool count is a mistake)
+            value = int(given) if name == "verbosity" and isinstance(given, bool) else as_int(given)
+            if value is None or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {given!r}")
+            object.__setattr__(self, name, value)
         # Held as Python floats, whatever number was given (numpy's, a tensor): the properties go
         # into state dicts and checkpoints, which load with weights_only=True, and into the
         # ranks' fingerprint (a review: np.float32 made a checkpoint that could not be loaded).
@@ -194,7 +194,7 @@ def parse_half_dtype(half_dtype: object, device_type: str) -> torch.dtype:
 
 def parse_loss_scale(loss_scale: object) -> LossScale:
     """Accept "dynamic", a number, or a numeric string (apex's command-line habit)."""
-    if loss_scale == "dynamic":
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return "dynamic"
     number = as_number(loss_scale)
     if number is not None:
@@ -226,17 +226,40 @@ def as_number(value: object) -> float | None:
     """``value`` as a float when it is a real number — Python's, numpy's (``np.float32(128)``,
     ``np.int64``) or a one-element torch tensor — and not a bool; else None (an audit: numpy
     and torch scalars were refused, and ``10**400`` raised a bare OverflowError)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":  # (numpy's bool)
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            return None
-    elif not isinstance(value, numbers.Real):
+    value = _one_element(value)
+    if value is None or not isinstance(value, numbers.Real):
         return None
     try:
         return float(value)
     except OverflowError:
         return math.inf
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as an int when it is an integer — Python's, numpy's or a one-element integer
+    torch tensor (torch.amp.GradScaler takes ``growth_interval=torch.tensor(2000)``) — and not a
+    bool; else None. A float, even 2000.0, is not an integer (torch refuses it too)."""
+    value = _one_element(value)
+    return int(value) if isinstance(value, numbers.Integral) else None
+
+
+def _one_element(value: object) -> object:
+    """A one-element torch tensor or numpy array as its Python number, other numbers as they are,
+    and None for bools (Python's, numpy's, bool tensors), complex and anything else with more or
+    fewer than one element (an audit: ``np.array([1., 2.])`` raised numpy's bare "truth value of
+    an array is ambiguous" naming no setting, and ``np.array(128.)`` was refused where a 0-d
+    tensor was taken)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        return value.item()
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):  # numpy's scalars, arrays
+        if getattr(value, "size", 1) != 1 or value.dtype.kind not in "iuf":
+            return None
+        return value.item()  # type: ignore[attr-defined]
+    if isinstance(value, bool):
+        return None
+    return value
 
 
 def check_scale_bounds(
@@ -273,6 +296,13 @@ def check_positive_finite(name: str, value: object) -> float:
                 "distamp.LossScaler(...) with its settings: README, Migrating from DeepSpeed)"
             )
         raise ValueError(f"{name}: expected a positive finite number, got {value!r}{hint}")
+    if number > FP32_MAX:
+        # (an audit: loss_scale=1e39 was taken, every scaled loss was inf, and the run ended
+        # blaming the forward pass after max_consecutive_skips skipped steps)
+        raise ValueError(
+            f"{name}: expected at most FP32's largest number ({FP32_MAX:.6g}: the scale "
+            f"multiplies FP32 losses, and a larger one is inf there), got {value!r}"
+        )
     return number
 
 

@@ -49,7 +49,7 @@ from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import AmpOptimizer, AmpOptimizerState
 from .optstate import OptState
-from .scaler import ScalerGroup, split_loss_scale
+from .scaler import ScalerGroup, scaler_facts, split_loss_scale
 
 BlockSpec = Sequence[type[nn.Module] | nn.Module] | Callable[[nn.Module], bool] | None
 
@@ -615,7 +615,9 @@ def fully_shard(
             _refuse_scalar_params(model)
         blocks = _check_blocks(blocks)
     check_same_on_all_ranks(
-        "distamp.fsdp.fully_shard", fingerprint(props, [model], [optimizer]), group
+        "distamp.fsdp.fully_shard",
+        fingerprint(props, [model], [optimizer]) + scaler_facts(template),
+        group,
     )
     from .wrap import _states_of, _warn_about_eps
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .config import as_number
+from .config import as_int, as_number, check_positive_finite
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -74,21 +74,18 @@ class GradScaler:
         process_group: dist.ProcessGroup | None = None,
         max_consecutive_skips: int | None = None,
     ) -> None:
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                f"max_consecutive_skips: expected an int >= 1 or None, got "
-                f"{max_consecutive_skips!r}"
-            )
+        if max_consecutive_skips is not None:
+            skips = as_int(max_consecutive_skips)
+            if skips is None or skips < 1:
+                raise ValueError(
+                    f"max_consecutive_skips: expected an int >= 1 or None, got "
+                    f"{max_consecutive_skips!r}"
+                )
+            max_consecutive_skips = skips
         # Any real number, as torch takes (numpy's, a one-element tensor: a review), held as a
         # Python float: the scale and these go into state dicts loaded with weights_only=True.
-        number = as_number(init_scale)
-        if number is None or not 0 < number < float("inf"):
-            raise ValueError(f"init_scale: expected a positive finite number, got {init_scale!r}")
-        init_scale = number
+        # (At most FP32's largest: torch holds the scale in FP32, an audit's 1e39 became inf.)
+        init_scale = check_positive_finite("init_scale", init_scale)
         checked = {"max_scale": max_scale}
         if enabled:  # torch checks the factors only when enabled
             checked |= {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
@@ -110,20 +107,19 @@ class GradScaler:
                 f"GradScaler: process_group: expected a torch.distributed ProcessGroup or None, "
                 f"got {type(process_group).__name__} {process_group!r:.60}"
             )
-        if enabled and isinstance(growth_factor, (int, float)) and growth_factor <= 1.0:
+        if enabled and growth_factor <= 1.0:
             # torch's type and message (scripts written for torch.amp catch AssertionError)
             raise AssertionError(
                 f"The growth factor must be > 1.0. (growth_factor={growth_factor})"
             )
-        if enabled and isinstance(backoff_factor, (int, float)) and backoff_factor >= 1.0:
+        if enabled and backoff_factor >= 1.0:
             raise AssertionError(
                 f"The backoff factor must be < 1.0. (backoff_factor={backoff_factor})"
             )
         if not enabled:  # torch checks the factors only when enabled (a disabled one never
-            if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):  # uses them)
-                growth_factor = 2.0
-            if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
-                backoff_factor = 0.5
+            growth, backoff = as_number(growth_factor), as_number(backoff_factor)  # uses them)
+            growth_factor = growth if growth is not None and growth > 1.0 else 2.0
+            backoff_factor = backoff if backoff is not None and 0.0 < backoff < 1.0 else 0.5
         self._device = device
         self._enabled = bool(enabled)
         self._scaler = _TorchScale(
@@ -174,11 +170,12 @@ class GradScaler:
         self._scaler.backoff_factor = _checked("new_factor", new_factor, low=0.0, high=1.0)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        if isinstance(new_interval, bool) or not isinstance(new_interval, int) or new_interval < 1:
+        interval = as_int(new_interval)  # (numpy's, a one-element tensor: as torch takes)
+        if interval is None or interval < 1:
             raise ValueError(
                 f"GradScaler.set_growth_interval: expected an int >= 1, got {new_interval!r}"
             )
-        self._scaler.growth_interval = new_interval
+        self._scaler.growth_interval = interval
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` (a tensor, or lists/tuples/dicts of them) multiplied by the scale."""
@@ -270,11 +267,21 @@ class GradScaler:
         sizes = torch.tensor(
             [order, -order, listed, -listed, shapes, -shapes], dtype=torch.float64, device=device
         )
+        # [Note: one scale on every rank] The ranks share the skip decision, not the scale:
+        # init_scale 2.0 on one rank and 4.0 on another (or growth intervals apart, an update(
+        # new_scale) or load_state_dict on some ranks only) unscaled DDP's averaged gradients
+        # by different factors and the replicas parted silently (an audit). The scale and a
+        # hash of the settings that move it ride in this collective as MAX and -MIN.
+        known = self._agreement() if group is not None else (0.0, 0.0)
+        agree = torch.tensor(
+            [known[0], -known[0], known[1], -known[1]], dtype=torch.float64, device=device
+        )
         flags = torch.cat(
             [
                 flag.double(),
                 torch.full_like(flag, float(not grads)).double(),
                 evidence.to(device),
+                agree,
                 sizes,  # MAX and -MIN of the order and the parameter counts: equal everywhere?
             ]
         )
@@ -295,6 +302,10 @@ class GradScaler:
                 "optimizers. Call unscale_ on every rank, or on none, for each optimizer, in "
                 "the same order"
             )
+        at = 2 + EVIDENCE_SLOTS
+        if values[at] != -values[at + 1] or values[at + 2] != -values[at + 3]:
+            assert group is not None  # (zeros without one)
+            self._refuse_parted_scales(group)
         if none:
             # torch raises at step() ("No inf checks were recorded for this optimizer"); every
             # rank raises here together instead of one waiting in the next collective.
@@ -323,6 +334,45 @@ class GradScaler:
             st.last_nonfinite = report if found_inf else None
             # wrap's O0/O1 optimizer: the scale and the skips are ours (an audit: step() warned
             st.grad_scaler = weakref.ref(self)  # "without scale_loss")
+
+    def _settings(self) -> dict[str, float]:
+        """The scale and the settings that move it: equal on every rank (see [Note: one scale
+        on every rank])."""
+        sc = self._scaler
+        return {
+            "scale": sc.scale,
+            "growth_factor": sc.growth_factor,
+            "backoff_factor": sc.backoff_factor,
+            "growth_interval": sc.growth_interval,
+            "max_scale": sc.max_loss_scale,
+        }
+
+    def _agreement(self) -> tuple[float, float]:
+        """(the scale, a hash of the other settings), exact in float64 (numbers hash alike in
+        every process)."""
+        settings = self._settings()
+        return settings.pop("scale"), float(hash(tuple(settings.values())) % 2**52)
+
+    def _refuse_parted_scales(self, group: dist.ProcessGroup) -> None:
+        """Collective (every rank found the same disagreement): name what differs, per rank."""
+        mine = self._settings()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        parted = [
+            f"{key}: "
+            + ", ".join(
+                f"rank {dist.get_global_rank(group, r)} {g[key]:g}" for r, g in enumerate(gathered)
+            )
+            for key in mine
+            if len({g[key] for g in gathered}) > 1
+        ]
+        raise RuntimeError(
+            "GradScaler.unscale_: expected every rank's GradScaler to hold the same scale and "
+            "settings (the ranks skip or step together, and one scale keeps their replicas "
+            f"equal), found them different: {'; '.join(parted)}. The usual cause: init_scale, "
+            "growth_interval or a factor computed per rank, or update(new_scale), "
+            "load_state_dict or a set_*() call on some ranks only"
+        )
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN on any rank."""
@@ -442,14 +492,13 @@ class GradScaler:
         # raised a bare int() error with the scale already loaded; factors the constructor
         # refuses loaded silently).
         def number(key: str) -> float:
-            value = state_dict[key]
-            value = value.item() if isinstance(value, torch.Tensor) else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            value = as_number(state_dict[key])  # (numpy's too, as torch loads: an audit)
+            if value is None:
                 raise ValueError(
                     f"GradScaler.load_state_dict: {key}: expected a number, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"{type(state_dict[key]).__name__} {state_dict[key]!r}"
                 )
-            return float(value)
+            return value
 
         scale = number("scale")
         if not (0 < scale < float("inf")):
@@ -576,11 +625,12 @@ class _TorchScale(LossScaler):
 
 
 def _checked(name: str, value: float, *, low: float, high: float = float("inf")) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+    number = as_number(value)  # (numpy's, a one-element tensor: as torch takes, an audit)
+    if number is None or not low < number < high:
         raise ValueError(
             f"GradScaler: {name} expected a number in ({low:g}, {high:g}), got {value!r}"
         )
-    return float(value)
+    return number
 
 
 def _named_grads(

@@ -14,9 +14,9 @@ others step, then wait alone in the next collective. One 4-byte MAX all-reduce p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
-import numbers
 import warnings
 import weakref
 import zlib
@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_
-from .config import as_number, check_positive_finite, check_scale_bounds, parse_loss_scale
+from .config import (
+    FP32_MAX,
+    as_int,
+    as_number,
+    check_positive_finite,
+    check_scale_bounds,
+    parse_loss_scale,
+)
 from .forensics import (
     EVIDENCE_SLOTS,
     NonFiniteGradientError,
@@ -49,8 +56,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("distamp")
 
 INIT_SCALE = 2.0**16
-FP32_MAX = torch.finfo(torch.float32).max
-"""Largest scale a loss may be multiplied by (the scaled loss is FP32)."""
 MIN_SCALE = 2.0**-100
 """The dynamic scale's floor when ``min_loss_scale`` sets none (apex's default): ``1 / scale``
 multiplies the gradients in FP32, so it must stay finite (2**128 is not). Without it a skip now
@@ -60,11 +65,6 @@ without overflow") instead of raising :class:`NonFiniteGradientError` (an audit)
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
-
-
-def _is_int(value: object) -> bool:
-    """An integer, Python's or numpy's, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class LossScaler:
@@ -97,16 +97,24 @@ class LossScaler:
         if backoff is None or not 0.0 < backoff < 1.0:
             raise ValueError(f"backoff_factor: expected in (0, 1), got {backoff_factor!r}")
         growth_factor, backoff_factor = growth, backoff
-        if not (_is_int(growth_interval) and growth_interval >= 1):
+        interval, left = as_int(growth_interval), as_int(hysteresis)
+        if interval is None or interval < 1:
             raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval!r}")
-        if not (_is_int(hysteresis) and hysteresis >= 1):
+        if left is None or left < 1:
             raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
-        growth_interval, hysteresis = int(growth_interval), int(hysteresis)
+        growth_interval, hysteresis = interval, left
         if init_scale is not None:
             init_scale = check_positive_finite("init_scale", init_scale)
         loss_scale = parse_loss_scale(loss_scale)  # (as wrap's: a numeric string too)
+        if loss_scale != "dynamic" and init_scale is not None:
+            # (an audit: ignored silently; which of the two scales did the user mean?)
+            raise ValueError(
+                f"init_scale: expected it only with a dynamic loss scale (where the scale starts), "
+                f"found init_scale={init_scale:g} with the static loss_scale={loss_scale:g}: pass "
+                "one of them (LossScaler(init_scale=...) is dynamic)"
+            )
         if loss_scale != "dynamic":
-            if 1.0 / float(loss_scale) > torch.finfo(torch.float32).max:
+            if 1.0 / float(loss_scale) > FP32_MAX:
                 # (an audit: accepted here, the first step crashed inside torch converting
                 # 1 / scale to FP32)
                 raise ValueError(
@@ -311,7 +319,9 @@ def split_loss_scale(
     scaler each loss gets a fresh copy of (None for a plain ``loss_scale``)."""
     if not isinstance(loss_scale, LossScaler):
         return loss_scale, min_loss_scale, max_loss_scale, None
-    if min_loss_scale is not None or max_loss_scale != 2.0**24:
+    # (as a number first: a tensor's != raised torch's bare "Boolean value of Tensor ... is
+    # ambiguous", an audit)
+    if min_loss_scale is not None or as_number(max_loss_scale) != 2.0**24:
         raise ValueError(
             "loss_scale=LossScaler(...): expected min_loss_scale and max_loss_scale on the "
             f"LossScaler, found them passed to wrap too (min_loss_scale={min_loss_scale}, "
@@ -319,6 +329,23 @@ def split_loss_scale(
         )
     plain = "dynamic" if loss_scale.dynamic else float(loss_scale.settings["loss_scale"])
     return plain, loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale
+
+
+def scaler_facts(template: LossScaler | None) -> list[tuple[str, str]]:
+    """What must be equal on every rank of ``wrap``'s or ``fully_shard``'s ``loss_scale=
+    LossScaler(...)``, one fact per setting, always all of them ("none" without a LossScaler),
+    so the facts line up rank by rank and a disagreement names the setting (an audit: one fact
+    of every setting left the user to diff two 300-character lists; fully_shard compared none,
+    and ranks with init_scale 1024 and 2048 trained on, their scales apart)."""
+    settings = template.settings if template is not None else {}
+    return [
+        (f"loss_scale=LossScaler(...) {key}", repr(settings[key]) if settings else "none")
+        for key in SCALER_SETTINGS
+    ]
+
+
+SCALER_SETTINGS = tuple(inspect.signature(LossScaler).parameters)
+"""The keys of :attr:`LossScaler.settings` (its constructor's arguments), in order."""
 
 
 FLAG_SLOTS = 8

@@ -57,7 +57,7 @@ from .masters.replicated import MasterParams
 from .masters.rounds import PER_PARAMETER
 from .masters.sharded import ShardedMasterParams
 from .optstate import OptState
-from .scaler import LossScaler, ScalerGroup, split_loss_scale
+from .scaler import LossScaler, ScalerGroup, scaler_facts, split_loss_scale
 
 """Attribute naming the Properties on an optimizer that went through ``wrap(enabled=False)``."""
 
@@ -165,14 +165,7 @@ def wrap(
             check_sliceable(opt_list)
         fp32_modules = casting.resolve_fp32_modules(model_list, keep_fp32_modules)
         plan = casting.plan_precision(model_list, props, fp32_modules)
-        facts = fingerprint(props, model_list, opt_list)
-        # Always present, so the facts line up rank by rank (a message pairs them by position).
-        facts.append(
-            (
-                "loss_scale=LossScaler(...)",
-                str(sorted(template.settings.items())) if template is not None else "none",
-            )
-        )
+        facts = fingerprint(props, model_list, opt_list) + scaler_facts(template)
         facts.append(("keep_fp32_modules", str(sorted(module_names(model_list, fp32_modules[0])))))
         facts.append(
             ("FP32 modules", str(sorted(module_names(model_list, list(plan.fp32_modules)))))

@@ -17,6 +17,7 @@ import sys
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -946,6 +947,14 @@ def test_amp_state_loss_scalers_read_and_set_as_apex_scripts_do():
     assert amp._amp_state.loss_scalers[1]._unskipped == 1
     with pytest.raises(ValueError, match="expected a positive finite number, got 0"):
         scalers[0]._loss_scale = 0
+    # numpy's and torch's numbers as the other settings take them (an audit: refused, in a
+    # message that named a positive finite number); a bool is not a scale
+    scalers[0]._loss_scale = np.float32(2.0**18)
+    assert type(scalers[0].loss_scale()) is float and scalers[0].loss_scale() == 2.0**18
+    scalers[0]._loss_scale = torch.tensor(2.0**17)
+    assert scalers[0].loss_scale() == 2.0**17
+    with pytest.raises(ValueError, match="expected a positive finite number, got True"):
+        scalers[0]._loss_scale = True
     with pytest.raises(AttributeError, match="no attribute '_amp_stat'"):
         amp._amp_stat  # noqa: B018
 

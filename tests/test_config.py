@@ -1,8 +1,10 @@
 """opt_level presets, property overrides, and the overrides apex refused."""
 
+import numpy as np
 import pytest
 import torch
 
+import distamp
 from distamp.config import Properties, resolve_properties
 
 
@@ -98,11 +100,30 @@ def test_unknown_opt_level_suggests_the_right_one(given, suggestion):
         ({"cast_model_type": torch.int8}, "cast_model_type"),
         ({"keep_batchnorm_fp32": "yes"}, "keep_batchnorm_fp32"),
         ({"max_loss_scale": float("nan")}, "max_loss_scale"),
+        # audits: a bare "truth value of an array is ambiguous"; a bool count taken
+        ({"loss_scale": np.array([1.0, 2.0])}, "loss_scale"),
+        ({"loss_scale": 1e39}, "loss_scale: expected at most FP32's largest"),
+        ({"max_consecutive_skips": True}, "max_consecutive_skips"),
+        ({"num_losses": 2.0}, "num_losses"),
     ],
 )
 def test_bad_values_are_refused_by_name(kw, name):
     with pytest.raises(ValueError, match=name):
         props("O2", **kw)
+
+
+def test_counts_take_numpy_and_tensor_integers_and_stay_ints():
+    """An audit: ``np.int64(2)`` was refused as num_losses while LossScaler's intervals took
+    it; held as Python ints (they go into checkpoints loaded with weights_only=True)."""
+    p = props("O2", num_losses=np.int64(2), max_consecutive_skips=torch.tensor(7), verbosity=True)
+    assert (p.num_losses, p.max_consecutive_skips, p.verbosity) == (2, 7, 1)
+    assert all(type(v) is int for v in (p.num_losses, p.max_consecutive_skips, p.verbosity))
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="max_loss_scale"):  # not torch's bare "ambiguous"
+        distamp.wrap(
+            model, opt, loss_scale=distamp.LossScaler(), max_loss_scale=torch.tensor([1.0, 2.0])
+        )
 
 
 def test_sharding_is_on_by_default_with_masters_and_several_ranks():

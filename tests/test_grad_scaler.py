@@ -716,3 +716,76 @@ def test_numpy_and_tensor_settings_are_taken_as_torch_takes_them(tmp_path):
     assert state["scale"] == 2048.0 and state["growth_factor"] == 2.0
     with pytest.raises(TypeError, match=r"growth_factor: expected a number, got str"):
         distamp.GradScaler("cpu", growth_factor="2")
+
+
+def _scalers_set_per_rank(rank, world, settings):
+    """DDP with a distamp.GradScaler made from this rank's ``settings``: the message of a
+    refusal, else the weights after four steps."""
+    model = DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = distamp.GradScaler("cpu", **settings[rank])
+    try:
+        for x, y in data(4, 8, seed=rank):
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    except RuntimeError as err:
+        return str(err)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        (({"init_scale": 2.0}, {"init_scale": 4.0}), "scale: rank 0 2, rank 1 4"),
+        (
+            ({"growth_interval": 1}, {"growth_interval": 2}),
+            "growth_interval: rank 0 1, rank 1 2",
+        ),
+    ],
+    ids=["init_scale", "growth_interval"],
+)
+def test_scalers_set_apart_on_the_ranks_are_refused_on_every_rank(settings, named):
+    """The ranks shared the skip decision, not the scale: init_scale 2.0 and 4.0 unscaled DDP's
+    averaged gradients by different factors and the replicas parted silently (an audit;
+    torch's has the same hole, and makes no promise of agreement)."""
+    for message in run_ranks(_scalers_set_per_rank, 2, settings, timeout=120):
+        assert isinstance(message, str), "expected a refusal"
+        assert "expected every rank's GradScaler to hold the same scale" in message, message
+        assert named in message, message
+
+
+def test_the_same_settings_as_other_kinds_of_number_agree():
+    import numpy as np
+
+    settings = ({"init_scale": np.float32(2.0)}, {"init_scale": torch.tensor(2)})
+    first, second = run_ranks(_scalers_set_per_rank, 2, settings, timeout=120)
+    assert not isinstance(first, str), first
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_setters_and_loads_take_numpy_and_tensor_numbers_as_torch_does(tmp_path):
+    """An audit: the constructor took them (a review), the setters, load_state_dict and an
+    integer tensor growth_interval did not; a scale past FP32's largest was refused as inf, a
+    value never passed."""
+    import numpy as np
+
+    scaler = distamp.GradScaler("cpu", growth_interval=torch.tensor(2000))
+    assert scaler.get_growth_interval() == 2000
+    scaler.set_growth_factor(np.float32(3.0))
+    scaler.set_backoff_factor(torch.tensor(0.25))
+    scaler.set_growth_interval(np.int64(100))
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.25)
+    assert scaler.get_growth_interval() == 100
+    scaler.load_state_dict(
+        {"scale": np.float32(1024), "_growth_tracker": np.int64(3), "growth_interval": 7}
+    )
+    torch.save(scaler.state_dict(), tmp_path / "scaler.pt")
+    state = torch.load(tmp_path / "scaler.pt", weights_only=True)
+    assert (state["scale"], state["_growth_tracker"], state["growth_interval"]) == (1024.0, 3, 7)
+    with pytest.raises(ValueError, match=r"init_scale: expected at most FP32's.*got 1e\+39"):
+        distamp.GradScaler("cpu", init_scale=1e39)
+    with pytest.raises(ValueError, match="set_growth_interval: expected an int >= 1"):
+        scaler.set_growth_interval(100.0)

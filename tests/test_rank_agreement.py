@@ -1,5 +1,6 @@
 """Ranks configured differently fail fast at wrap, on every rank, naming the difference — no hang."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,11 +62,17 @@ def _one_rank_fails_locally(rank, world, api, problem):
         model = mlp()
         model[0].to("meta")  # partly: distamp.fsdp takes a model wholly on the meta device
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {}
+    if problem == "loss scaler":  # rank 1 starts at another scale
+        kwargs["loss_scale"] = distamp.LossScaler(init_scale=1024.0 * (rank + 1))
+    if problem == "numpy scaler":  # the same settings as other kinds of number: no difference
+        growth = np.float32(2.0) if rank == 0 else torch.tensor(2)
+        kwargs["loss_scale"] = distamp.LossScaler(init_scale=1024, growth_factor=growth)
     try:
         if api == "wrap":
-            distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+            distamp.wrap(model, opt, opt_level="O2", verbosity=0, **kwargs)
         else:
-            distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0)
+            distamp.fsdp.fully_shard(model, opt, opt_level="O2", verbosity=0, **kwargs)
     except ValueError as err:
         return str(err)
     return None
@@ -379,6 +386,20 @@ def test_a_parameter_frozen_on_one_rank_only_is_named(api):
     for message in run_ranks(_one_rank_fails_locally, 2, api, "frozen bias", timeout=60):
         assert message is not None
         assert "rank 1 has models[0] parameter '0.bias'=(16,) torch.float32 frozen" in message
+
+
+@pytest.mark.parametrize("api", ["wrap", "fsdp"])
+def test_loss_scalers_set_apart_are_named_by_setting(api):
+    """fully_shard compared no LossScaler setting: ranks starting at scales 1024 and 2048
+    trained on, each unscaling the reduced gradients by its own (an audit); wrap compared them
+    as one list of every setting, which the user had to diff. Numbers of other kinds (numpy's,
+    a tensor) for the same values agree."""
+    for message in run_ranks(_one_rank_fails_locally, 2, api, "loss scaler", timeout=60):
+        assert message is not None
+        assert "rank 0 has loss_scale=LossScaler(...) init_scale=1024.0" in message
+        assert "rank 1 has loss_scale=LossScaler(...) init_scale=2048.0" in message
+        assert "growth_factor" not in message  # only the setting that differs
+    assert run_ranks(_one_rank_fails_locally, 2, api, "numpy scaler", timeout=60) == [None, None]
 
 
 def _unscale_on_rank_0_only(rank, world, level, edit):

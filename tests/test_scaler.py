@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,10 +39,10 @@ def test_growth_is_capped_and_never_non_finite():
     for _ in range(10):
         s.update(False)
     assert s.scale == 2.0**17
-    s = LossScaler(max_loss_scale=float(2**1023) * 1.5, init_scale=2.0**1023, growth_interval=1)
+    s = LossScaler(max_loss_scale=float("inf"), init_scale=2.0**126, growth_interval=1)
     for _ in range(5):
         s.update(False)
-    assert math.isfinite(s.scale)
+    assert s.scale == 2.0**127  # FP32's largest power of two
 
 
 def test_hysteresis_delays_backoff_but_every_overflow_counts_as_a_skip():
@@ -164,6 +165,17 @@ def test_state_dict_round_trip_and_refusals():
         ({"init_scale": -8.0}, "init_scale"),
         ({"init_scale": 2.0**30}, "at most max_loss_scale"),  # silently capped at 2**24 before
         ({"loss_scale": 0.0}, "loss_scale"),
+        # an audit: taken, every scaled loss inf, and the run blamed the forward pass
+        ({"loss_scale": 1e39}, "loss_scale: expected at most FP32's largest"),
+        ({"init_scale": 1e39, "max_loss_scale": float("inf")}, "init_scale: expected at most"),
+        ({"min_loss_scale": 1e39, "max_loss_scale": float("inf")}, "min_loss_scale"),
+        # an audit: init_scale ignored silently beside a static scale
+        ({"loss_scale": 128.0, "init_scale": 1024}, "init_scale: expected it only with a dyn"),
+        # an audit: numpy's bare "truth value of an array is ambiguous", naming nothing
+        ({"loss_scale": np.array([1.0, 2.0])}, "loss_scale: expected"),
+        ({"init_scale": np.array([1.0, 2.0])}, "init_scale: expected"),
+        ({"growth_interval": 2000.0}, "growth_interval"),  # (torch refuses a float too)
+        ({"growth_interval": torch.tensor(2.0)}, "growth_interval"),
     ],
 )
 def test_bad_settings_are_refused(kw, name):
@@ -356,6 +368,14 @@ def test_scale_settings_take_any_real_number_and_stay_floats():
     assert LossScaler(np.float32(128)).scale == LossScaler(torch.tensor(128.0)).scale == 128.0
     assert LossScaler("128.0").scale == 128.0
     assert LossScaler(init_scale=np.int64(4)).scale == 4.0
+    # a one-element array as a one-element tensor; integer tensors as torch takes them
+    assert LossScaler(np.array(128.0)).scale == 128.0
+    assert (
+        LossScaler(growth_interval=torch.tensor(5), hysteresis=np.array([2])).settings[
+            "growth_interval"
+        ]
+        == 5
+    )
     for bad in (
         {"min_loss_scale": 0},
         {"min_loss_scale": True},

@@ -1077,11 +1077,18 @@ class ScalerGroup:
                 "the same window), or a rank that discarded a batch (cleared the gradients after "
                 "its backward) alone"
             )
+        counts = f"between {low:g} and {high:g} (this rank, {self.rank}: {mine:g})"
+        if self.process_group is not None:  # every rank is here (the counts are all-reduced)
+            group = self.process_group
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            counts = ", ".join(
+                f"{c:g} on rank {dist.get_global_rank(group, r)}" for r, c in enumerate(gathered)
+            )
         raise RuntimeError(
             f"optimizer.step(): expected every rank to have run the same number of scale_loss "
-            f"blocks for this optimizer since its last step, found between {low:g} and "
-            f"{high:g} (this rank, {self.rank}: {mine:g}). {why}. A discard must be decided "
-            "from a value all ranks agree on (an all-reduced loss, distamp.clip_grad_norm_'s "
+            f"blocks for this optimizer since its last step, found {counts}. {why}. A discard "
+            "must be decided from a value all ranks agree on (an all-reduced loss, distamp.clip_grad_norm_'s "
             "global norm), as the skip decision is shared"
         )
 
@@ -1406,12 +1413,23 @@ class ScalerGroup:
                     if broken
                     else f"look for a NaN/inf produced by the forward pass or the loss itself{wire}"
                 )
-                # (the report of a non-finite loss says so itself: not twice, an audit)
-                advice = (
-                    where[:1].upper() + where[1:]
-                    if loss_itself
-                    else f"Lowering the loss scale does not fix this; {where}"
-                )
+                # A scale held up (a static one, or a dynamic one at a min_loss_scale the user
+                # set) may itself be why a finite gradient overflowed (an audit: told "lowering
+                # the loss scale does not fix this" at min_loss_scale=16384)
+                held = "a static" if not scaler.dynamic else None
+                if scaler.dynamic and scaler.skipped_at_floor and scaler.floor > MIN_SCALE:
+                    held = "the min_loss_scale"
+                if loss_itself:  # (the report of a non-finite loss says so itself: not twice)
+                    advice = where[:1].upper() + where[1:]
+                elif held is not None and scaler.scale > 1.0 and not broken:
+                    lower = "lower it" if held == "a static" else "lower min_loss_scale"
+                    advice = (
+                        f"At {held} scale an inf gradient may be the scale's own overflow of a "
+                        f'finite one ({lower}, or use loss_scale="dynamic" with no floor, '
+                        f"to tell); otherwise {where}"
+                    )
+                else:
+                    advice = f"Lowering the loss scale does not fix this; {where}"
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. {advice} (max_consecutive_skips / "
                     "min_loss_scale set this limit)"

@@ -177,6 +177,9 @@ def test_skip_at_min_loss_scale_raises_on_every_rank():
     assert messages[0] == messages[1] and messages[0] is not None
     assert "minimum loss scale 16384" in messages[0]
     assert "'0.weight'" in messages[0] and "rank 0" in messages[0] and "inf" in messages[0]
+    # the floor the user set may be the inf's cause (an audit: "lowering the loss scale does
+    # not fix this" at min_loss_scale=16384, where a lower floor fixes an overflow)
+    assert "lower min_loss_scale" in messages[0] and "does not fix" not in messages[0]
 
 
 def _framework_backward(rank, world, faulty_steps):

@@ -809,10 +809,11 @@ class ScalerGroup:
         """
         assert st.grad_scale is not None
         self.refuse_wrapped_before_init()
-        if st.outside_between_blocks:
-            from .masters.optimizer import refuse_outside_between_blocks
+        from .masters.optimizer import outside_backward, refuse_outside_backward
 
-            refuse_outside_between_blocks(api)
+        outside = outside_backward(st)
+        if outside and (self.process_group is None or self.world == 1):
+            refuse_outside_backward(api, outside)  # (with several ranks: all together, below)
         st.masters.check_views(self.param_names)  # before anything changes
         edited = self._edited_reduced_grads(st)  # before unscaling touches anything
         added = st.added_after_reduce
@@ -893,7 +894,10 @@ class ScalerGroup:
                 # collectives alone (an audit: a second step() on gradients zeroed in place on
                 # one rank only stepped there and hung, or parted the replicas)
                 refusing = float(st.refusing)
-                tail = [early, kinds, -kinds, float(st.index), -float(st.index), refusing]
+                # and a backward outside scale_loss here: its kind and this rank, MAX-reduced
+                # (see refuse_outside_backward)
+                here = outside * self.world + self.rank if outside else 0.0
+                tail = [early, kinds, -kinds, float(st.index), -float(st.index), refusing, here]
                 parts.append(torch.tensor(tail, dtype=torch.float64, device=device))
             vector = torch.cat(parts)
             if self.process_group is not None:
@@ -905,6 +909,11 @@ class ScalerGroup:
                 early = tail[0]
             if tail and tail[3] != -tail[4]:
                 self._refuse_different_deciders(st, api, tail[3], -tail[4])
+            if tail and tail[6] > 0:  # a backward outside scale_loss, here or on another rank
+                kind, at = divmod(int(tail[6]), self.world)
+                assert self.process_group is not None
+                rank = dist.get_global_rank(self.process_group, at)
+                refuse_outside_backward(api, float(kind), f" on rank {rank}")
             if values[FLAG_SLOTS] != -values[FLAG_SLOTS + 1]:
                 self._refuse_different_block_counts(st, count, values[FLAG_SLOTS : FLAG_SLOTS + 2])
             if tail and tail[1] != -tail[2]:
@@ -1080,11 +1089,23 @@ class ScalerGroup:
         counts = f"between {low:g} and {high:g} (this rank, {self.rank}: {mine:g})"
         if self.process_group is not None:  # every rank is here (the counts are all-reduced)
             group = self.process_group
+            # (count, a backward outside scale_loss instead of blocks: an audit's rank running
+            # loss.backward() where the others ran a block was told of Join and discards)
+            outside = bool(st.backward_since_step and not st.backwards)  # (else: refused
+            # before the counts, naming the rank)
             gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
+            dist.all_gather_object(gathered, (mine, outside), group=group)
             counts = ", ".join(
-                f"{c:g} on rank {dist.get_global_rank(group, r)}" for r, c in enumerate(gathered)
+                f"{c:g} on rank {dist.get_global_rank(group, r)}"
+                + (" (which ran a backward outside scale_loss)" if o else "")
+                for r, (c, o) in enumerate(gathered)
             )
+            if any(o for _, o in gathered):
+                why = (
+                    "A rank whose backward ran outside scale_loss (loss.backward(), a "
+                    f"framework's) where the others ran scale_loss blocks: run it inside "
+                    f"scale_loss on every rank. Or: {why[:1].lower()}{why[1:]}"
+                )
         raise RuntimeError(
             f"optimizer.step(): expected every rank to have run the same number of scale_loss "
             f"blocks for this optimizer since its last step, found {counts}. {why}. A discard "

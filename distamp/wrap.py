@@ -42,6 +42,8 @@ from .forensics import NonFiniteReport
 from .masters.base import MasterWeights, grad_versions, local_tensor
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
+    OUTSIDE_BEFORE,
+    OUTSIDE_BETWEEN,
     AmpOptimizer,
     AmpOptimizerState,
     AmpOptimizerWrapper,
@@ -49,7 +51,7 @@ from .masters.optimizer import (
     drop_cleared_gradients,
     guard_nested_optimizers,
     inner_optimizer,
-    refuse_outside_between_blocks,
+    refuse_outside_backward,
     unscale_now,
     watch_backward,
 )
@@ -917,9 +919,13 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     gradients are the reduced ones (no reduce-scatter hook): the sum is right there. A backward
     outside the blocks between two of them (``st.outside_between_blocks``) is refused here and
     at the step. Under FSDP no hook sees a backward: its gradients are read instead."""
+    # With several ranks the refusal waits for the step, where every rank raises together.
+    several = st.group.process_group is not None and st.group.world > 1
     if st.outside_between_blocks:
         if _any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
-            refuse_outside_between_blocks("scale_loss")
+            if several:
+                return
+            refuse_outside_backward("scale_loss", OUTSIDE_BETWEEN)
         # cleared since (the module's zero_grad in place, an audit): nothing pending is kept
         st.group.forget(st)
         st.reset()
@@ -934,14 +940,10 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
         if st.masters.reduced:
             st.masters.release_master_grads()
         return
-    raise RuntimeError(
-        "scale_loss: expected the gradients pending since the last step() to come from "
-        "scale_loss blocks only, found gradients a backward outside scale_loss left "
-        "(loss.backward(), a framework's backward: at scale 1.0); this block's backward would "
-        "add gradients at the loss scale to them, a sum no unscale can undo. Run every "
-        "backward of the step inside scale_loss (or none: step() takes an outside backward's "
-        "gradients at scale 1.0), or clear them first (optimizer.zero_grad())"
-    )
+    if several:
+        st.outside_before_block = True
+        return
+    refuse_outside_backward("scale_loss", OUTSIDE_BEFORE)
 
 
 def _any_nonzero(grads: list[torch.Tensor]) -> bool:

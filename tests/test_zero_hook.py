@@ -1097,31 +1097,55 @@ def test_a_second_backward_through_one_ddp_forward_is_refused_on_every_rank():
     assert run_ranks(_second_backward_through_one_forward, 2, True, timeout=120) == [None] * 2
 
 
-def _outside_backward_then_block(rank: int, world: int) -> str | None:
+def _outside_backward_then_block(
+    rank: int, world: int, only: tuple[int, ...], reduce_scatter: bool = True
+) -> str | None:
     """A framework's backward outside scale_loss, then a block, one step, under the reduce-
     scatter hook at O0 (scale 1.0): each rank stepped its own unreduced second gradient in the
-    part it owns (an audit)."""
+    part it owns (an audit). On the ranks in ``only``; the others run that backward in a
+    block (not under the reduce-scatter hook, which all-gathers after a backward outside the
+    blocks: every rank must run the same script there)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    # (at O0's scale 1.0 a block after an outside backward is refused under this hook only)
+    level = "O0" if reduce_scatter else "O2"
+    model, opt = distamp.wrap(model, opt, opt_level=level, shard_master_weights=True, verbosity=0)
     ddp = DDP(model, find_unused_parameters=True)
-    distamp.hooks.register(ddp, opt, reduce_scatter=True)
+    distamp.hooks.register(ddp, opt, reduce_scatter=reduce_scatter)
     (x1, y1), (x2, y2) = _batch(rank, 0), _batch(rank, 1)
-    nn.functional.cross_entropy(ddp(x1).flatten(0, 1), y1.flatten()).backward()
+    if rank in only:
+        nn.functional.cross_entropy(ddp(x1).flatten(0, 1), y1.flatten()).backward()
+    else:
+        with distamp.scale_loss(
+            nn.functional.cross_entropy(ddp(x1).flatten(0, 1), y1.flatten()), opt
+        ) as scaled:
+            scaled.backward()
     try:
         with distamp.scale_loss(
             nn.functional.cross_entropy(ddp(x2).flatten(0, 1), y2.flatten()), opt
         ) as scaled:
             scaled.backward()
+        opt.step()
     except RuntimeError as exc:
         return str(exc)
     return None
 
 
-def test_a_block_after_a_backward_outside_scale_loss_is_refused_under_the_reduce_scatter_hook():
-    for message in run_ranks(_outside_backward_then_block, 2, timeout=120):
-        assert message is not None and message.startswith("scale_loss: expected the gradients")
+@pytest.mark.parametrize(
+    ("only", "reduce_scatter"),
+    [((0, 1), True), ((1,), False)],
+    ids=["every-rank-reduce-scatter", "rank-1-only-all-reduce"],
+)
+def test_a_block_after_a_backward_outside_scale_loss_is_refused_under_the_reduce_scatter_hook(
+    only, reduce_scatter
+):
+    """Refused at the step, on every rank together, naming the rank (an audit: refused at the
+    block by the rank alone, whose peers then waited in DDP's collectives, a hang)."""
+    for message in run_ranks(_outside_backward_then_block, 2, only, reduce_scatter, timeout=120):
+        assert message is not None, "expected a refusal"
+        assert message.startswith("optimizer.step(): expected the gradients pending"), message
+        assert f"found on rank {only[-1]} gradients a backward outside" in message, message
 
 
 def _outside_backward_cleared_by_the_module(rank: int, world: int, clear: bool) -> dict:

@@ -87,7 +87,11 @@ class AmpOptimizerState:
         self.outside_between_blocks = False
         """A backward outside every ``scale_loss`` block reached these gradients while a block's
         were pending (SCALED): scale 1.0 added to scaled ones, refused (see
-        :func:`refuse_outside_between_blocks`)."""
+        :func:`refuse_outside_backward`)."""
+        self.outside_before_block = False
+        """A block began on gradients a backward outside ``scale_loss`` left, with several
+        ranks: refused at the step, by every rank together (see [Note: a backward outside
+        scale_loss, then a block] in wrap.py)."""
         self.added_after_reduce: list[str] = []
         """Names of parameters whose ``.grad`` a backward added to after the reduce-scatter
         hook reduced them, since the last step: see [Note: a backward DDP does not reduce]."""
@@ -222,6 +226,7 @@ class AmpOptimizerState:
         self.clipped_grads = None
         self.added_after_reduce = []
         self.outside_between_blocks = False
+        self.outside_before_block = False
         self.masters.release_master_grads()
 
 
@@ -1185,13 +1190,37 @@ def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:
         st.warned_unlisted = True
 
 
-def refuse_outside_between_blocks(api: str) -> None:
+OUTSIDE_BETWEEN, OUTSIDE_BEFORE = 1.0, 2.0
+"""The kinds of backward outside ``scale_loss`` that :func:`refuse_outside_backward` names."""
+
+
+def outside_backward(st: AmpOptimizerState) -> float:
+    """Which kind of refused backward outside ``scale_loss`` this optimizer's gradients hold
+    (0.0: none): a number, carried in the skip decision's all-reduce."""
+    if st.outside_between_blocks:
+        return OUTSIDE_BETWEEN
+    return OUTSIDE_BEFORE if st.outside_before_block else 0.0
+
+
+def refuse_outside_backward(api: str, kind: float, where: str = "") -> None:
     """[Note: a backward outside scale_loss, then a block] in wrap.py: a block, then a backward
     outside every block, in one step (at O2 fp16 the outside share shrank by the loss scale,
-    silently, an audit). Raised at the next block or at the step, on every rank alike."""
+    silently, an audit), or such a backward, then a block. Raised at the next block with one
+    rank; with several, at the step, by every rank together (an audit: one rank alone raising
+    at its block or before the skip decision left the others waiting in DDP's or FSDP's
+    collectives, or in the decision, a hang). ``where``: the rank's part, said after "found"."""
+    if kind == OUTSIDE_BEFORE:
+        raise RuntimeError(
+            f"{api}: expected the gradients pending since the last step() to come from "
+            f"scale_loss blocks only, found{where} gradients a backward outside scale_loss left "
+            "(loss.backward(), a framework's backward: at scale 1.0) before a block's backward "
+            "added gradients at the loss scale to them, a sum no unscale can undo. Run every "
+            "backward of the step inside scale_loss (or none: step() takes an outside "
+            "backward's gradients at scale 1.0), or clear them first (optimizer.zero_grad())"
+        )
     raise RuntimeError(
         f"{api}: expected every backward between two steps inside distamp.scale_loss once one "
-        "was, found a backward outside this optimizer's scale_loss blocks after one "
+        f"was, found{where} a backward outside this optimizer's scale_loss blocks after one "
         "(loss.backward(), a framework's backward, a block of another distamp.wrap call, or a "
         "scale_loss's yielded loss's backward() run after its with block closed: "
         "gradients at another scale added to the block's, at its loss scale: a sum no "

@@ -532,12 +532,6 @@ def fully_shard(
     """
     if api not in ("fsdp2", "fsdp1"):
         raise ValueError(f"api: expected 'fsdp2' or 'fsdp1', got {api!r}")
-    if api == "fsdp1" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "distamp.fsdp.fully_shard(api='fsdp1'): FullyShardedDataParallel needs a GPU "
-            "(torch refuses CPU-only FSDP1); expected CUDA devices, found none: use "
-            "api='fsdp2' (torch.distributed.fsdp.fully_shard), which runs on CPU/gloo too"
-        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -891,6 +885,7 @@ def _apply_fsdp1(
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     chosen = {id(m) for m in _blocks(model, blocks)}
+    on_cuda = dist.get_backend(group) == "nccl"  # (gloo: CPU tensors)
     mp = None
     if props.cast_model_type in HALF_DTYPES:
         half = props.cast_model_type
@@ -910,8 +905,17 @@ def _apply_fsdp1(
         ),
         mixed_precision=mp,
         use_orig_params=True,
-        device_id=torch.cuda.current_device(),
+        # (on CPU too: torch 2.13's FSDP1 runs there with device_id cpu, an audit)
+        device_id=torch.cuda.current_device() if on_cuda else torch.device("cpu"),
     )
+    if mp is not None:
+        # FSDP1's MixedPrecision has no output dtype (FSDP2's output_dtype): the root's outputs
+        # came back half, where wrap's O2 and FSDP2's are FP32 (or cast_model_outputs) (an
+        # audit, once FSDP1 ran on CPU): cast by a forward hook of the wrapper, as FSDP2 does.
+        dtype = props.cast_model_outputs or torch.float32
+        wrapped.register_forward_hook(
+            lambda _module, _args, out: casting.cast_floating(out, dtype), always_call=False
+        )
     return wrapped
 
 

@@ -85,6 +85,18 @@ class _Target:
                 )
         if not raw_models or not raw_opts:
             raise ValueError(f"{what}: expected at least one model and one optimizer")
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(m, FullyShardedDataParallel) for r in raw_models for m in r.modules()):
+            # (an audit, once FSDP1 ran on CPU: each rank's optimizer state of FSDP1's flat
+            # shards is an uneven 1-D piece per parameter, saved as if replicated; the load of
+            # the very checkpoint failed with "Size mismatch between saved ... and current")
+            raise ValueError(
+                f"{what}: expected a model under FSDP2 (distamp.fsdp.fully_shard's default "
+                "api), DDP or neither, found FullyShardedDataParallel (api='fsdp1'): distamp's "
+                "checkpoints do not hold FSDP1's flat-parameter shards. Use api='fsdp2' to "
+                "checkpoint with distamp (it reshards at any world size)"
+            )
         self.models = [unwrap_model(m) for m in raw_models]
         self.synced_buffers = [_broadcasts_buffers(m) for m in raw_models]
         self.names = param_names(self.models)

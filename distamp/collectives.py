@@ -48,15 +48,21 @@ def all_reduce_(
 
 
 @contextlib.contextmanager
-def checks_on_every_rank(what: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+def checks_on_every_rank(
+    what: str, group: dist.ProcessGroup | None, *, disabled: bool = False
+) -> Iterator[None]:
     """Collective over ``group``: run the block's local checks, then raise on every rank if one
-    raised (ValueError/TypeError) on any rank.
+    raised (ValueError/TypeError) on any rank, or if ``disabled`` (``enabled=False``) differs
+    between the ranks.
 
     A check that fails on one rank only (a half parameter, a stray optimizer parameter, a model on
     the meta device, on that rank alone) used to raise there while the other ranks waited in the
     next collective until the process group's timeout (30 minutes). One all-reduce of a flag; on a
     failure the messages are gathered. The failing rank raises its own error; the others raise
-    ValueError naming it."""
+    ValueError naming it. ``disabled``: ``fully_shard(enabled=False)`` on some ranks only
+    (``enabled=args.amp`` parsed per rank) sharded FP32 there and half elsewhere, and FSDP's
+    collectives hung or aborted; it rides in the same all-reduce, as +d/-d. (``wrap(enabled=
+    False)`` runs no collective at all, by design: see README.)"""
     error: Exception | None = None
     try:
         yield
@@ -66,16 +72,25 @@ def checks_on_every_rank(what: str, group: dist.ProcessGroup | None) -> Iterator
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    flag = torch.tensor([0 if error is None else 1, int(disabled), -int(disabled)])
     all_reduce_(flag, dist.ReduceOp.MAX, group)
-    if not int(flag.item()):
+    failed_anywhere, some_disabled, all_disabled = (int(v) for v in flag.tolist())
+    parted = some_disabled != -all_disabled
+    if not failed_anywhere and not parted:
         return
     message = None if error is None else f"{type(error).__name__}: {error}"
-    messages: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, message, group=group)
+    messages: list[tuple[str | None, bool]] = [(None, False)] * dist.get_world_size(group)
+    dist.all_gather_object(messages, (message, disabled), group=group)
+    if parted:
+        off = [dist.get_global_rank(group, r) for r, (_, d) in enumerate(messages) if d]
+        raise ValueError(
+            f"{what}: expected the same enabled on every rank, found enabled=False on ranks "
+            f"{off} and True on the others (an enabled=... read per rank?); the disabled ranks "
+            "would skip the collectives the others wait in"
+        )
     if error is not None:
         raise error
-    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    failed = "; ".join(f"rank {r}: {m}" for r, (m, _) in enumerate(messages) if m is not None)
     raise ValueError(f"{what} failed on another rank — {failed}")
 
 

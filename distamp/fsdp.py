@@ -581,7 +581,7 @@ def fully_shard(
     if on_meta:  # see [Note: meta-device models under FSDP]: the device they will be made on
         device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     # A check failing on one rank only must not leave the others waiting in the next collective.
-    with checks_on_every_rank("distamp.fsdp.fully_shard", group):
+    with checks_on_every_rank("distamp.fsdp.fully_shard", group, disabled=not enabled):
         template = None
         if "loss_scale" in overrides:
             (

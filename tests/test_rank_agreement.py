@@ -388,6 +388,25 @@ def test_a_parameter_frozen_on_one_rank_only_is_named(api):
         assert "rank 1 has models[0] parameter '0.bias'=(16,) torch.float32 frozen" in message
 
 
+def _fsdp_enabled_on_rank_0_only(rank, world):
+    import distamp.fsdp
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        distamp.fsdp.fully_shard(model, opt, opt_level="O2", enabled=rank == 0, verbosity=0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_fully_shard_enabled_on_some_ranks_only_is_named_on_every_rank():
+    """``enabled=args.amp`` read per rank: FSDP sharded FP32 on one rank and half on the other,
+    and its collectives aborted gloo (an audit)."""
+    for message in run_ranks(_fsdp_enabled_on_rank_0_only, 2, timeout=60):
+        assert message is not None and "found enabled=False on ranks [1]" in message, message
+
+
 @pytest.mark.parametrize("api", ["wrap", "fsdp"])
 def test_loss_scalers_set_apart_are_named_by_setting(api):
     """fully_shard compared no LossScaler setting: ranks starting at scales 1024 and 2048

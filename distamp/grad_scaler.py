@@ -420,11 +420,9 @@ class GradScaler:
                     f"requires_grad=False, got shape {tuple(new_scale.shape)} with "
                     f"requires_grad={new_scale.requires_grad}"
                 )
-            value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
-            if not (0 < value < float("inf")):
-                raise ValueError(
-                    f"GradScaler.update: new_scale must be positive finite, got {value}"
-                )
+            # numpy's and tensors too, at most FP32's largest (an audit: 1e39 became inf, and
+            # every later step was skipped; np.array([8.]) raised numpy's bare TypeError)
+            value = check_positive_finite("GradScaler.update: new_scale", new_scale)
             self._scaler.scale = _fp32(_at_least_the_floor(value, "GradScaler.update: new_scale"))
         elif not self._per_optimizer:
             raise AssertionError(
@@ -500,11 +498,7 @@ class GradScaler:
                 )
             return value
 
-        scale = number("scale")
-        if not (0 < scale < float("inf")):
-            raise ValueError(
-                f"GradScaler.load_state_dict: expected a positive finite scale, got {scale}"
-            )
+        scale = check_positive_finite("GradScaler.load_state_dict: scale", state_dict["scale"])
         tracker = number("_growth_tracker")
         if tracker < 0 or tracker != int(tracker):
             raise ValueError(

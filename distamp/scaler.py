@@ -83,6 +83,11 @@ class LossScaler:
         max_loss_scale: float = 2.0**24,
         consecutive_hysteresis: bool = True,
     ) -> None:
+        if (
+            type(consecutive_hysteresis).__module__ == "numpy"
+            and str(getattr(consecutive_hysteresis, "dtype", "")) == "bool"
+        ):  # numpy's bool (an audit)
+            consecutive_hysteresis = bool(consecutive_hysteresis)
         if not isinstance(consecutive_hysteresis, bool):
             raise ValueError(
                 f"consecutive_hysteresis: expected True or False, got {consecutive_hysteresis!r}"
@@ -329,6 +334,13 @@ def split_loss_scale(
         )
     plain = "dynamic" if loss_scale.dynamic else float(loss_scale.settings["loss_scale"])
     return plain, loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale
+
+
+def _holds_gradients(st: AmpOptimizerState) -> bool:
+    """Whether any of this rank's model gradients (FSDP's local shards) is non-zero (one host
+    read; for messages)."""
+    grads = [local_tensor(p.grad) for p in st.masters.model_params if p.grad is not None]
+    return bool(grads) and bool(torch.stack([g.ne(0).any() for g in grads]).any())
 
 
 def scaler_facts(template: LossScaler | None) -> list[tuple[str, str]]:
@@ -1091,8 +1103,10 @@ class ScalerGroup:
             group = self.process_group
             # (count, a backward outside scale_loss instead of blocks: an audit's rank running
             # loss.backward() where the others ran a block was told of Join and discards)
-            outside = bool(st.backward_since_step and not st.backwards)  # (else: refused
-            # before the counts, naming the rank)
+            # (with blocks too: refused before the counts, naming the rank) Under FSDP no hook
+            # sees a backward: its gradients are read (an audit: "ran no backward")
+            reached = st.backward_since_step or (st.masters.fsdp and _holds_gradients(st))
+            outside = bool(reached and not st.backwards)
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, (mine, outside), group=group)
             counts = ", ".join(
@@ -1437,15 +1451,15 @@ class ScalerGroup:
                 # A scale held up (a static one, or a dynamic one at a min_loss_scale the user
                 # set) may itself be why a finite gradient overflowed (an audit: told "lowering
                 # the loss scale does not fix this" at min_loss_scale=16384)
-                held = "a static" if not scaler.dynamic else None
+                held = "a static scale" if not scaler.dynamic else None
                 if scaler.dynamic and scaler.skipped_at_floor and scaler.floor > MIN_SCALE:
-                    held = "the min_loss_scale"
+                    held = "the floor min_loss_scale"
                 if loss_itself:  # (the report of a non-finite loss says so itself: not twice)
                     advice = where[:1].upper() + where[1:]
                 elif held is not None and scaler.scale > 1.0 and not broken:
-                    lower = "lower it" if held == "a static" else "lower min_loss_scale"
+                    lower = "lower it" if held == "a static scale" else "lower min_loss_scale"
                     advice = (
-                        f"At {held} scale an inf gradient may be the scale's own overflow of a "
+                        f"At {held} an inf gradient may be the scale's own overflow of a "
                         f'finite one ({lower}, or use loss_scale="dynamic" with no floor, '
                         f"to tell); otherwise {where}"
                     )

@@ -328,3 +328,25 @@ def test_torch_jit_script_is_refused_in_words_and_trace_works(level):
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(torch.jit.trace(model, x)(x), model(x))
+
+
+def _fullgraph_with_overlap_gather(rank, world):
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(compiled)
+    distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    try:
+        ddp(torch.randn(4, 8))
+    except Exception as err:  # torch._dynamo's Unsupported
+        return str(err)
+    return None
+
+
+def test_fullgraph_with_the_overlapped_gather_says_what_to_change():
+    """The wait for the gather runs outside the graph: fullgraph=True fails, and torch's hint
+    told the user to remove the compiler.disable from distamp's hook (an audit)."""
+    for message in run_ranks(_fullgraph_with_overlap_gather, 2, timeout=120):
+        assert message is not None, "expected torch's refusal"
+        assert "overlap_gather=False" in message and "without fullgraph=True" in message, message

@@ -333,6 +333,30 @@ def _outside_backward_then_block_under_fsdp(rank, world):
     return distamp.stats(opt).steps
 
 
+def _outside_backward_instead_of_a_block_on_one_rank(rank, world):
+    model, _, opt = build("fsdp", "O2", torch.bfloat16)
+    x, y = batch(0, rank, world)
+    loss = F.mse_loss(model(x), y)
+    if rank == 1:
+        loss.backward()
+    else:
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_rank_whose_only_backward_ran_outside_scale_loss_is_named_under_fsdp():
+    """No hook sees a backward under FSDP: the rank was told it "ran no backward" (Join,
+    discards; a review), where under DDP it is named as running it outside scale_loss."""
+    for message in run_ranks(_outside_backward_instead_of_a_block_on_one_rank, 2):
+        assert message is not None, "expected a refusal"
+        assert "0 on rank 1 (which ran a backward outside scale_loss)" in message, message
+
+
 def test_a_block_after_an_outside_backward_is_refused_under_fsdp():
     """The outside share (scale 1.0) was divided by the block's loss scale, silently (an
     audit): no backward hook watches FSDP's sharded gradients, so they are read."""

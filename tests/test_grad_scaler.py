@@ -789,3 +789,12 @@ def test_setters_and_loads_take_numpy_and_tensor_numbers_as_torch_does(tmp_path)
         distamp.GradScaler("cpu", init_scale=1e39)
     with pytest.raises(ValueError, match="set_growth_interval: expected an int >= 1"):
         scaler.set_growth_interval(100.0)
+    # (a review: update and load_state_dict took 1e39, inf in FP32, and every later step was
+    # skipped with the forward pass blamed; np.array([8.]) raised numpy's bare TypeError)
+    scaler.update(np.array([8.0]))
+    assert scaler.get_scale() == 8.0
+    with pytest.raises(ValueError, match=r"update: new_scale: expected at most FP32's largest"):
+        scaler.update(1e39)
+    with pytest.raises(ValueError, match=r"load_state_dict: scale: expected at most FP32's"):
+        scaler.load_state_dict({"scale": 1e39, "_growth_tracker": 0})
+    assert scaler.get_scale() == 8.0  # nothing changed

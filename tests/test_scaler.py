@@ -370,6 +370,7 @@ def test_scale_settings_take_any_real_number_and_stay_floats():
     assert LossScaler(init_scale=np.int64(4)).scale == 4.0
     # a one-element array as a one-element tensor; integer tensors as torch takes them
     assert LossScaler(np.array(128.0)).scale == 128.0
+    assert LossScaler(consecutive_hysteresis=np.bool_(False)).consecutive_hysteresis is False
     assert (
         LossScaler(growth_interval=torch.tensor(5), hysteresis=np.array([2])).settings[
             "growth_interval"

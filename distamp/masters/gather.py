@@ -381,4 +381,15 @@ class _FinishGather:
 def _outside_compile(cls: type[Any]) -> type[Any]:
     """``cls`` with its ``__call__`` run outside torch.compile's graph (see [Note: the gather
     hooks in copies and under torch.compile]); made once per class, on first use."""
-    return type(cls.__name__, (cls,), {"__call__": torch.compiler.disable(cls.__call__)})
+    # (the reason is what Dynamo prints under fullgraph=True: its own hint said to remove the
+    # disable from distamp's hook, an audit)
+    waits = torch.compiler.disable(cls.__call__, reason=FULLGRAPH_REASON)
+    return type(cls.__name__, (cls,), {"__call__": waits})
+
+
+FULLGRAPH_REASON = (
+    "distamp: hooks.register(..., overlap_gather=True) waits for the updated weights' "
+    "all-gather in a forward pre-hook run outside the compiled graph, which "
+    "torch.compile(fullgraph=True) does not allow: compile without fullgraph=True, or register "
+    "with overlap_gather=False"
+)

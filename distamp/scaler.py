@@ -8,7 +8,9 @@ a Python float, identical on all ranks by construction; it only changes inside :
 There is no local shortcut, not even when a comm hook has just made the reduced gradients
 identical: a parameter DDP does not reduce (ignored, or frozen when DDP was built and unfrozen
 since) breaks "identical after the all-reduce", and a rank that decided alone would skip while the
-others step, then wait alone in the next collective. One 4-byte MAX all-reduce per step is cheap.
+others step, then wait alone in the next collective. One small MAX all-reduce per step (a few
+dozen float64s: the flags, the evidence naming a culprit, and the ranks' agreement checks) is
+cheap.
 """
 
 from __future__ import annotations

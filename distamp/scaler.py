@@ -22,6 +22,7 @@ import math
 import warnings
 import weakref
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -883,6 +884,7 @@ class ScalerGroup:
             if self.process_group is not None:  # see [Note: settings that part between ranks]
                 parts.append(st.hyperparameter_fingerprint().to(device))
             replicas = None
+            loaded = [p for p, _ in st.masters.loads]  # (named if the ranks' loads differ)
             if self.process_group is not None and self.world > 1:
                 replicas = st.masters.replica_fingerprint(
                     self.ddp_ignored(), hooked=self.hooked_params
@@ -961,7 +963,8 @@ class ScalerGroup:
                 # scatter hook a second step() found each rank's own unreduced ones and was
                 # refused as "gradients different", its real cause unsaid (an audit).
                 check = not skipping and not st.refusing
-                self._refuse_parted_replicas(st, values[-4:], check_grads=check, api=api)
+                self._refuse_different_loads(values[-2:], loaded, api)
+                self._refuse_parted_replicas(st, values[-6:-2], check_grads=check, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             report = read_evidence(
                 evidence,
@@ -1221,6 +1224,25 @@ class ScalerGroup:
         if not params or not len(parted):
             return ""
         return f" (first: {self.param_names.get(id(params[int(parted[0])]), '?')!r})"
+
+    def _refuse_different_loads(
+        self, hashes: list[float], loaded: Sequence[torch.Tensor], api: str
+    ) -> None:
+        """See [Note: a load on some ranks only] in masters/base.py: every rank read the same
+        reduced numbers, so every rank raises."""
+        if hashes[0] == -hashes[1]:
+            return
+        names = [self.param_names.get(id(p), "?") for p in loaded]
+        mine = f"{names[:4]}{' and more' if len(names) > 4 else ''}" if names else "nothing"
+        raise RuntimeError(
+            f"{api}: expected every rank to load the same weights since the last step, found "
+            f"loads that differ between the ranks (this rank, {self.rank}, loaded {mine}): a "
+            "model.load_state_dict on some ranks only, or of different values. Each rank's FP32 "
+            "masters took its own, and sharded masters would have stitched the ranks' pieces "
+            "together. Load on every rank (DistributedDataParallel broadcasts rank 0's weights "
+            "only when it is built, not after), or on rank 0 before distamp.wrap, which "
+            "broadcasts rank 0's FP32 weights; then zero_grad and train on"
+        )
 
     def _refuse_parted_replicas(
         self, st: AmpOptimizerState, hashes: list[float], *, check_grads: bool, api: str

@@ -566,8 +566,11 @@ class _LoadIntoMasters:
                 continue
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                several = scalers.process_group is not None and scalers.world > 1
                 for st in scalers.optimizers:
                     st.masters.load_value(param, value)
+                    if several:  # see [Note: a load on some ranks only] in masters/base.py
+                        st.masters.note_load(param, value)
 
 
 class _HalfAsFP32StateDict:

@@ -273,3 +273,51 @@ def test_optimizer_state_loaded_before_wrap_is_named():
         UserWarning, match=r"optimizers\[0\] has state already .* load that after wrap"
     ):
         distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+
+
+def _load_on_some_ranks(rank, world, level, kwargs, when, loaders):
+    """``model.load_state_dict(pretrained)`` on the ranks in ``loaders``, before or after DDP;
+    the refusal's message, else the weights after three steps (lr 0: the loaded values)."""
+    pretrained = {k: v.clone() for k, v in mlp(seed=5).state_dict().items()}
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = distamp.wrap(model, opt, opt_level=level, verbosity=0, **kwargs)
+    if when == "before DDP" and rank in loaders:
+        model.load_state_dict(pretrained)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if when == "after DDP" and rank in loaders:
+        model.load_state_dict(pretrained)
+    try:
+        for x, y in data(3, 8, seed=rank):
+            with distamp.scale_loss(F.mse_loss(ddp(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as err:
+        return str(err)
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("level", "kwargs"),
+    [("O2", {}), ("O2", {"shard_master_weights": False}), ("O0", {"shard_master_weights": True})],
+    ids=["O2-sharded", "O2-replicated", "O0-sharded"],
+)
+@pytest.mark.parametrize("when", ["after DDP", "before DDP"])
+def test_a_load_on_some_ranks_only_is_refused_on_every_rank(level, kwargs, when):
+    """[Note: a load on some ranks only] Rank 0 alone loading pretrained weights after DDP
+    (which broadcasts only when built) made the sharded masters a silent mixture of rank 0's
+    loaded pieces and the others' initial ones (an audit: 106 of 128 elements), and replicated
+    masters part between the ranks; before DDP, its broadcast of the half weights left rank 1's
+    masters rounded. Refused at the step, on every rank, naming the weights; loads on every
+    rank train on."""
+    for message in run_ranks(_load_on_some_ranks, 2, level, kwargs, when, (0,), timeout=120):
+        assert isinstance(message, str), "expected a refusal"
+        assert "expected every rank to load the same weights" in message, message
+        assert "'0.weight'" in message or "loaded nothing" in message, message
+    both = run_ranks(_load_on_some_ranks, 2, level, kwargs, when, (0, 1), timeout=120)
+    assert not isinstance(both[0], str), both[0]
+    pretrained = list(mlp(seed=5).parameters())
+    for a, b, want in zip(*both, pretrained, strict=True):
+        assert torch.equal(a, b)  # the loaded weights (lr 0), the same on both ranks
+        torch.testing.assert_close(a, want.detach(), atol=4e-3, rtol=0)  # (bf16 at O2)

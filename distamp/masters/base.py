@@ -26,6 +26,7 @@ class MasterWeights(Protocol):
     fsdp: bool
     model_params: list[nn.Parameter]
     restored: bool
+    loads: tuple[tuple[nn.Parameter, torch.Tensor], ...]
     blocks_open: int
 
     @property
@@ -68,6 +69,7 @@ class MasterWeights(Protocol):
         self, params: list[nn.Parameter], *, fp32_masters: bool = True
     ) -> list[torch.Tensor]: ...
     def before_backward(self) -> None: ...
+    def note_load(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
     def load_value(
         self, param: nn.Parameter, value: torch.Tensor, *, written: bool = False
     ) -> None: ...
@@ -85,6 +87,9 @@ class ModelGrads:
     last step: see [Note: loading weights into the masters]."""
     reduced: AbstractSet[int] = frozenset()
     """ids of the parameters a reduce-scatter hook summed into shards this step (sharded.py)."""
+    loads: tuple[tuple[nn.Parameter, torch.Tensor], ...] = ()
+    """(parameter, a sample of the value) of each ``load_state_dict`` into a weight with an FP32
+    master since the last skip decision: see [Note: a load on some ranks only]."""
     blocks_open = 0
     """``scale_loss`` blocks of this optimizer open now: a backward outside them is a framework's
     (see [Note: a backward distamp does not see] in hooks/zero.py)."""
@@ -97,6 +102,25 @@ class ModelGrads:
 
     def release_master_grads(self) -> None:
         raise NotImplementedError
+
+    def note_load(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """[Note: a load on some ranks only] ``model.load_state_dict(pretrained)`` on rank 0
+        only, after DDP was built (DDP broadcasts when it is built, not after), or after wrap on
+        rank 0 with DDP's broadcast to bring it to the others: in plain torch the ranks part
+        (or are mended by DDP); here each rank took its own value into its masters, and sharded
+        masters then stitched rank 0's loaded pieces to the others' initial ones, the ranks
+        identical and the model a silent mixture (an audit: 106 of 128 elements pretrained).
+        A sample of each loaded value goes into the next skip decision's all-reduce (two more
+        numbers), where ranks that loaded differently raise together, naming the weights."""
+        sample = strided_sample(value.detach().reshape(-1)).float().to(param.device)
+        self.loads = (*self.loads, (param, sample.clone()))
+
+    def take_load_hash(self, ignored: AbstractSet[int], device: torch.device) -> torch.Tensor:
+        """``[h, -h]`` of the loads since the last call (see :meth:`note_load`), which it
+        forgets; the parameters DDP leaves alone (``ignored``) may differ between ranks."""
+        samples = [sample for p, sample in self.loads if id(p) not in ignored]
+        self.loads = ()
+        return bit_hash([t.to(device) for t in samples], device)
 
     def before_backward(self) -> None:
         """Called as a ``scale_loss`` block begins (FSDP's masters refresh its units' dtypes)."""

@@ -220,8 +220,8 @@ class MasterParams(ModelGrads):
     def replica_fingerprint(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
     ) -> torch.Tensor | None:
-        """``[0, 0, hg, -hg]`` (the layout of ``ShardedMasterParams.replica_fingerprint``, no
-        weights to compare): ``hg`` hashes the first values of every model gradient, identical on
+        """``[0, 0, hg, -hg, hl, -hl]`` (the layout of ``ShardedMasterParams.
+        replica_fingerprint``, no weights to compare; ``hl``: see :meth:`take_load_hash`): ``hg`` hashes the first values of every model gradient, identical on
         every rank once DDP's all-reduce made them. A DDP built before wrap (O2/O3 cast the
         weights in place: DDP's gradient hooks, on the FP32 weights, never fired), over another
         group than wrap's, or none at all left each rank stepping its own gradients and the
@@ -237,7 +237,8 @@ class MasterParams(ModelGrads):
             return None
         sampled = grad_samples(self.grads_compared(ignored, hooked=hooked))
         device = next((t.device for t in sampled), torch.device("cpu"))
-        return torch.cat([torch.zeros(2, device=device), bit_hash(sampled, device)])
+        loads = self.take_load_hash(ignored, device)  # see [Note: a load on some ranks only]
+        return torch.cat([torch.zeros(2, device=device), bit_hash(sampled, device), loads])
 
     def grads_compared(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()

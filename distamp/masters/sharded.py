@@ -720,11 +720,12 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     def replica_fingerprint(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
     ) -> torch.Tensor | None:
-        """``[hw, -hw, hg, -hg]``: bit hashes of what must be identical on every rank of the
+        """``[hw, -hw, hg, -hg, hl, -hl]``: bit hashes of what must be identical on every rank of the
         masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
         max(h) == -max(-h)): ``hw`` of the parameters every rank steps whole, ``hg`` of the first
         elements of every sharded weight's gradient when DDP's all-reduce made them (no
-        reduce-scatter hook). A DDP over a subgroup of wrap's group left them different: each
+        reduce-scatter hook), ``hl`` of the values loaded since (see ``take_load_hash``). A DDP
+        over a subgroup of wrap's group left them different: each
         rank stepped its shard with its own subgroup's gradients and the gather stitched the
         shards together, the ranks identical and the training wrong, silently (an audit).
         None at one rank. ``ignored``: the parameters DDP was told to leave alone (see
@@ -735,7 +736,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         kept = [p.detach().reshape(-1) for p in self.replicated if p.is_floating_point()]
         sampled = grad_samples(self.grads_compared(ignored))
         device = next((t.device for t in (*kept, *sampled)), torch.device("cpu"))
-        return torch.cat([bit_hash(kept, device), bit_hash(sampled, device)])
+        loads = self.take_load_hash(ignored, device)  # see [Note: a load on some ranks only]
+        return torch.cat([bit_hash(kept, device), bit_hash(sampled, device), loads])
 
     def grads_compared(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()

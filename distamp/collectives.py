@@ -90,7 +90,11 @@ def checks_on_every_rank(
         )
     if error is not None:
         raise error
-    failed = "; ".join(f"rank {r}: {m}" for r, (m, _) in enumerate(messages) if m is not None)
+    failed = "; ".join(
+        f"rank {dist.get_global_rank(group, r)}: {m}"  # (global: an audit, a subgroup's)
+        for r, (m, _) in enumerate(messages)
+        if m is not None
+    )
     raise ValueError(f"{what} failed on another rank — {failed}")
 
 

@@ -444,6 +444,13 @@ def mark_disabled(optimizer: object, props: Properties, group: Any) -> None:
     setattr(optimizer, DISABLED_GROUP_ATTR, group)
 
 
+DISABLED_FSDP1_ATTR = "_distamp_disabled_fsdp1"
+"""Beside them, under ``fully_shard(api="fsdp1", enabled=False)``: a weak reference to the
+``FullyShardedDataParallel`` model, whose own ``clip_grad_norm_`` clips by the global norm (the
+optimizer holds flat views of this rank's shard: torch's clip over them used each rank's own
+norm, an audit)."""
+
+
 def disabled_group(optimizer: object) -> Any:
     """The process group ``optimizer`` was wrapped on under ``enabled=False`` (None: none named
     and none initialized then)."""

@@ -43,7 +43,14 @@ from .collectives import (
     check_same_on_all_ranks,
     checks_on_every_rank,
 )
-from .config import HALF_DTYPES, Properties, mark_disabled, resolve_properties, warn_from_caller
+from .config import (
+    DISABLED_FSDP1_ATTR,
+    HALF_DTYPES,
+    Properties,
+    mark_disabled,
+    resolve_properties,
+    warn_from_caller,
+)
 from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
@@ -782,6 +789,10 @@ def _shard_disabled(
         opt_level, device_type=device_type, enabled=False, num_losses=num_losses
     )
     mark_disabled(optimizer, disabled, group)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # see DISABLED_FSDP1_ATTR
+        setattr(optimizer, DISABLED_FSDP1_ATTR, weakref.ref(model))
     return model, optimizer
 
 

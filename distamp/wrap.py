@@ -29,6 +29,7 @@ from .checks import (
 )
 from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, checks_on_every_rank
 from .config import (
+    DISABLED_FSDP1_ATTR,
     HALF_DTYPES,
     Properties,
     check_opt_level,
@@ -1062,9 +1063,17 @@ def clip_grad_norm_(
     _refuse_a_list(optimizer, "clip_grad_norm_")
     states, disabled = _states(optimizer, "clip_grad_norm_")
     if disabled is not None:
-        params = [
-            p for g in (inner_optimizer(optimizer) or optimizer).param_groups for p in g["params"]
-        ]
+        inner = inner_optimizer(optimizer) or optimizer
+        fsdp1 = getattr(inner, DISABLED_FSDP1_ATTR, lambda: None)()
+        if fsdp1 is not None:  # the global norm: see DISABLED_FSDP1_ATTR
+            norm = fsdp1.clip_grad_norm_(max_norm, norm_type)
+            if error_if_nonfinite and not bool(torch.isfinite(norm)):
+                raise RuntimeError(
+                    f"clip_grad_norm_: the total norm of order {norm_type} is non-finite "
+                    "(error_if_nonfinite=True, torch's message)"
+                )
+            return norm
+        params = [p for g in inner.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(
             params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
         )

@@ -205,6 +205,25 @@ def test_fsdp1_trains_on_cpu_as_fsdp2_does_and_its_checkpoint_is_refused(tmp_pat
         assert "found FullyShardedDataParallel (api='fsdp1')" in message and not written
 
 
+def _disabled_clip_norm(rank, world, api):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.fsdp.fully_shard(model, opt, api=api, enabled=False, verbosity=0)
+    x, y = batch(0, rank, world)
+    F.mse_loss(model(x), y).backward()
+    return float(distamp.clip_grad_norm_(opt, 1e9))
+
+
+def test_clipping_with_fsdp1_disabled_uses_the_global_norm():
+    """fully_shard(api='fsdp1', enabled=False): the optimizer holds flat views of each rank's
+    shard, and torch's clip over them clipped each rank by its own norm (a review: 1.15 and
+    1.86 where the model's norm is 2.18), silently."""
+    fsdp1 = run_ranks(_disabled_clip_norm, 2, "fsdp1")
+    fsdp2 = run_ranks(_disabled_clip_norm, 2, "fsdp2")
+    assert fsdp1[0] == fsdp1[1]
+    assert fsdp1[0] == pytest.approx(fsdp2[0], rel=1e-6), (fsdp1, fsdp2)
+
+
 def test_o3_under_fsdp_is_pure_half_like_wrap_o3():
     """[Note: O3 under FSDP] O3 has no masters: FSDP shards half weights and the optimizer
     steps them with half state, as wrap's O3 + DDP does (an audit found FP32 shards and FP32

@@ -95,7 +95,8 @@ class _Target:
                 f"{what}: expected a model under FSDP2 (distamp.fsdp.fully_shard's default "
                 "api), DDP or neither, found FullyShardedDataParallel (api='fsdp1'): distamp's "
                 "checkpoints do not hold FSDP1's flat-parameter shards. Use api='fsdp2' to "
-                "checkpoint with distamp (it reshards at any world size)"
+                "checkpoint with distamp (it reshards at any world size), or save and load each "
+                "rank's own model and optimizer.state_dict() at the same world size"
             )
         self.models = [unwrap_model(m) for m in raw_models]
         self.synced_buffers = [_broadcasts_buffers(m) for m in raw_models]

@@ -977,11 +977,20 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
                 f"{blocks}"
             )
 
+        model = getattr(st.masters, "model", lambda: None)()
+        # (FSDP1's flat shards: distamp's checkpoints refuse them, an audit found this advice
+        # leading to that refusal)
+        fsdp1 = type(model).__name__ == "FullyShardedDataParallel"
         raise ValueError(
             f"{where}: the state dict holds {show(theirs)}, this optimizer needs {show(mine)}: "
             "with sharded masters every rank saves and loads its own optimizer.state_dict() at "
-            "the same world size; use distamp.save_checkpoint/load_checkpoint (one checkpoint, any "
-            "world size)"
+            "the same world size; "
+            + (
+                "under api='fsdp1' that is the way (distamp's checkpoints hold FSDP2's shards: "
+                "api='fsdp2' for one checkpoint at any world size)"
+                if fsdp1
+                else "use distamp.save_checkpoint/load_checkpoint (one checkpoint, any world size)"
+            )
             + (
                 ""
                 if fsdp

@@ -1506,3 +1506,24 @@ def test_a_group_added_after_wrap_and_not_added_again_before_load_is_named(tmp_p
         r"must be added again, in the same order",
     ):
         distamp.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+
+
+def test_a_model_with_a_layer_more_or_less_is_told_every_key(tmp_path):
+    """An audit: the refusal named the first key that differs only ('4.weight'), not its bias
+    nor the other layers; torch's load_state_dict lists them all."""
+    from distamp import CheckpointError
+
+    def make(layers):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)))
+        return distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+
+    distamp.save_checkpoint(tmp_path / "ckpt", *make(2))
+    with pytest.raises(CheckpointError) as more:
+        distamp.load_checkpoint(tmp_path / "ckpt", *make(3))
+    assert "this model has '2.weight'" in str(more.value), more.value
+    assert "this model has '2.bias'" in str(more.value), more.value
+    with pytest.raises(CheckpointError) as less:
+        distamp.load_checkpoint(tmp_path / "ckpt", *make(1))
+    assert "the checkpoint has '1.weight', this model does not" in str(less.value), less.value
+    assert "the checkpoint has '1.bias'" in str(less.value), less.value

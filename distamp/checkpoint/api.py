@@ -768,23 +768,25 @@ def _check_compatible(manifest: dict[str, Any], target: _Target) -> None:
         mine = model_entry(i, model, len(target.models))["keys"]
         theirs = entry["keys"]
         where = "model" if len(target.models) == 1 else f"models[{i}]"
-        for key in list(theirs) + [k for k in mine if k not in theirs]:
-            if key not in mine:
-                raise CheckpointError(
-                    f"{where}: the checkpoint has {key!r}, this model does not: expected the "
-                    f"model it was saved from; {WEIGHTS_ALONE}"
-                )
-            if key not in theirs:
-                raise CheckpointError(
-                    f"{where}: this model has {key!r}, the checkpoint does not: expected the "
-                    f"model it was saved from; {WEIGHTS_ALONE}"
-                )
-            if list(mine[key][0]) != list(theirs[key][0]):
-                raise CheckpointError(
-                    f"{where}: {key!r} has shape {tuple(theirs[key][0])} in the checkpoint, "
-                    f"{tuple(mine[key][0])} in this model: expected the model it was saved from "
-                    f"(the same sizes); {WEIGHTS_ALONE}"
-                )
+        # Every difference at once, as torch's load_state_dict lists them (an audit: a layer
+        # more named only its weight, and the next try its bias)
+        differences = [
+            *(f"the checkpoint has {k!r}, this model does not" for k in theirs if k not in mine),
+            *(f"this model has {k!r}, the checkpoint does not" for k in mine if k not in theirs),
+            *(
+                f"{k!r} has shape {tuple(theirs[k][0])} in the checkpoint, {tuple(mine[k][0])} "
+                "in this model"
+                for k in theirs
+                if k in mine and list(mine[k][0]) != list(theirs[k][0])
+            ),
+        ]
+        if differences:
+            listed = "; ".join(differences[:8])
+            more = f" (and {len(differences) - 8} more)" if len(differences) > 8 else ""
+            raise CheckpointError(
+                f"{where}: {listed}{more}: expected the model it was saved from (the same "
+                f"parameters, the same sizes); {WEIGHTS_ALONE}"
+            )
     if len(manifest["optimizers"]) != len(target.views):
         raise CheckpointError(
             f"expected {len(manifest['optimizers'])} optimizer(s) as saved, got {len(target.views)}"

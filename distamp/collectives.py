@@ -90,10 +90,15 @@ def checks_on_every_rank(
         )
     if error is not None:
         raise error
+    # By global rank (an audit: a subgroup's ranks were named by their place in it), one
+    # message once for every rank that gave it (a review: a long one repeated per rank)
+    by_message: dict[str, list[int]] = {}
+    for r, (m, _) in enumerate(messages):
+        if m is not None:
+            by_message.setdefault(m, []).append(dist.get_global_rank(group, r))
     failed = "; ".join(
-        f"rank {dist.get_global_rank(group, r)}: {m}"  # (global: an audit, a subgroup's)
-        for r, (m, _) in enumerate(messages)
-        if m is not None
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {m}"
+        for m, ranks in by_message.items()
     )
     raise ValueError(f"{what} failed on another rank — {failed}")
 

@@ -27,7 +27,12 @@ from .checks import (
     module_names,
     same_shape,
 )
-from .collectives import broadcast_from_rank0_, check_same_on_all_ranks, checks_on_every_rank
+from .collectives import (
+    all_reduce_,
+    broadcast_from_rank0_,
+    check_same_on_all_ranks,
+    checks_on_every_rank,
+)
 from .config import (
     DISABLED_FSDP1_ATTR,
     HALF_DTYPES,
@@ -793,6 +798,24 @@ def _states(optimizers: Any, what: str) -> tuple[list[AmpOptimizerState], Proper
     return states, None
 
 
+def _refuse_nonfinite_fsdp1_norm(
+    params: list[torch.Tensor], norm_type: float, group: dist.ProcessGroup
+) -> None:
+    """Collective: torch's ``error_if_nonfinite`` over FSDP1's flat shards, whose clip has no
+    such option: the global norm from each rank's, then torch's error (gradients untouched)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
+    inf = math.isinf(norm_type)
+    part = local.double().reshape(1) if inf else local.double().pow(norm_type).reshape(1)
+    all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group)
+    if not bool(torch.isfinite(part).all()):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+
+
 def _refuse_a_list(optimizer: object, api: str) -> None:
     """``unscale_``, ``clip_grad_norm_`` and ``stats`` take one optimizer (``scale_loss`` takes a
     list: a loss may reach several); a list failed with Python's "too many values to unpack"
@@ -1065,18 +1088,18 @@ def clip_grad_norm_(
     if disabled is not None:
         inner = inner_optimizer(optimizer) or optimizer
         fsdp1 = getattr(inner, DISABLED_FSDP1_ATTR, lambda: None)()
-        if fsdp1 is not None:  # the global norm: see DISABLED_FSDP1_ATTR
-            norm = fsdp1.clip_grad_norm_(max_norm, norm_type)
-            if error_if_nonfinite and not bool(torch.isfinite(norm)):
-                raise RuntimeError(
-                    f"clip_grad_norm_: the total norm of order {norm_type} is non-finite "
-                    "(error_if_nonfinite=True, torch's message)"
-                )
-            return norm
         params = [p for g in inner.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(
+        if fsdp1 is not None:  # the global norm: see DISABLED_FSDP1_ATTR
+            if error_if_nonfinite:  # before anything is clipped, as torch (a review)
+                _refuse_nonfinite_fsdp1_norm(params, norm_type, fsdp1.process_group)
+            return fsdp1.clip_grad_norm_(max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(
             params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
         )
+        # FSDP2's inf-norm is a DTensor, Partial(max): each rank's own max until reduced (a
+        # review: 1.02 on one rank, 0.83 on the other); the global norm, as everywhere else
+        full = getattr(norm, "full_tensor", None)
+        return full() if full is not None else norm
     (st,) = states
     if isinstance(max_norm, torch.Tensor) and max_norm.numel() != 1:
         raise ValueError(

@@ -205,23 +205,39 @@ def test_fsdp1_trains_on_cpu_as_fsdp2_does_and_its_checkpoint_is_refused(tmp_pat
         assert "found FullyShardedDataParallel (api='fsdp1')" in message and not written
 
 
-def _disabled_clip_norm(rank, world, api):
+def _disabled_clip_norm(rank, world, api, norm_type=2.0, inf_on_rank_1=False):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.fsdp.fully_shard(model, opt, api=api, enabled=False, verbosity=0)
     x, y = batch(0, rank, world)
     F.mse_loss(model(x), y).backward()
-    return float(distamp.clip_grad_norm_(opt, 1e9))
+    if inf_on_rank_1:
+        grads = [p.grad for p in opt.param_groups[0]["params"] if p.grad is not None]
+        if rank == 1:
+            next(g for g in grads if g.numel()).view(-1)[0] = float("inf")
+        before = [g.clone() for g in grads]
+        try:
+            distamp.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+        except RuntimeError as err:  # torch's, the gradients untouched
+            return str(err), all(torch.equal(a, b) for a, b in zip(before, grads, strict=True))
+        return None, None
+    return float(distamp.clip_grad_norm_(opt, 1e9, norm_type))
 
 
 def test_clipping_with_fsdp1_disabled_uses_the_global_norm():
     """fully_shard(api='fsdp1', enabled=False): the optimizer holds flat views of each rank's
     shard, and torch's clip over them clipped each rank by its own norm (a review: 1.15 and
     1.86 where the model's norm is 2.18), silently."""
-    fsdp1 = run_ranks(_disabled_clip_norm, 2, "fsdp1")
-    fsdp2 = run_ranks(_disabled_clip_norm, 2, "fsdp2")
-    assert fsdp1[0] == fsdp1[1]
-    assert fsdp1[0] == pytest.approx(fsdp2[0], rel=1e-6), (fsdp1, fsdp2)
+    for norm_type in (2.0, float("inf")):
+        fsdp1 = run_ranks(_disabled_clip_norm, 2, "fsdp1", norm_type)
+        fsdp2 = run_ranks(_disabled_clip_norm, 2, "fsdp2", norm_type)
+        # (FSDP2's inf-norm came back a Partial(max) DTensor: each rank's own max, a review)
+        assert fsdp1[0] == fsdp1[1] and fsdp2[0] == fsdp2[1], (fsdp1, fsdp2)
+        assert fsdp1[0] == pytest.approx(fsdp2[0], rel=1e-6), (fsdp1, fsdp2)
+    # error_if_nonfinite raises before anything is clipped (FSDP1's clip made rank 1's NaN)
+    for message, untouched in run_ranks(_disabled_clip_norm, 2, "fsdp1", 2.0, True):
+        assert message is not None and "is non-finite, so it cannot be clipped" in message
+        assert untouched
 
 
 def test_o3_under_fsdp_is_pure_half_like_wrap_o3():

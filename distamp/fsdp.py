@@ -719,10 +719,10 @@ class UnshardedReached:
         if st is None:
             return
         st.backward_since_step = True
-        if st.state is OptState.SCALED and not any(
-            o.masters.blocks_open for o in st.group.optimizers
-        ):
-            st.outside_between_blocks = True
+        if not any(o.masters.blocks_open for o in st.group.optimizers):
+            st.outside_seen = True
+            if st.state is OptState.SCALED:
+                st.outside_between_blocks = True
 
 
 OVERRIDES = frozenset(

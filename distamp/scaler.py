@@ -1110,7 +1110,7 @@ class ScalerGroup:
             # loss.backward() where the others ran a block was told of Join and discards)
             # (with blocks too: refused before the counts, naming the rank) Under FSDP no hook
             # sees a backward: its gradients are read (an audit: "ran no backward")
-            reached = st.backward_since_step or (st.masters.fsdp and _holds_gradients(st))
+            reached = st.outside_seen or (st.masters.fsdp and _holds_gradients(st))
             outside = bool(reached and not st.backwards)
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, (mine, outside), group=group)

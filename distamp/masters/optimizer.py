@@ -114,6 +114,10 @@ class AmpOptimizerState:
         self.backward_since_step = False
         """A backward accumulated into a model gradient since the last step() (set by
         :class:`BackwardSeen`; FSDP's sharded gradients are written by FSDP, not seen)."""
+        self.outside_seen = False
+        """Such a backward ran with no ``scale_loss`` block of the group open, since the last
+        step or zero_grad: named when the ranks' block counts differ (a rank that discarded its
+        batch must not be told it ran one outside, a review)."""
         self.delayed_unscale = False
         """The last ``scale_loss`` block listing this optimizer had ``delay_unscale=True``: apex's
         accumulation micro-batch, after which ``amp.master_params`` does not unscale."""
@@ -227,6 +231,7 @@ class AmpOptimizerState:
         self.added_after_reduce = []
         self.outside_between_blocks = False
         self.outside_before_block = False
+        self.outside_seen = False
         self.masters.release_master_grads()
 
 
@@ -1168,10 +1173,10 @@ class BackwardSeen:
         st = self.st()
         if st is not None:
             st.backward_since_step = True
-            if st.state is OptState.SCALED and not any(
-                o.masters.blocks_open for o in st.group.optimizers
-            ):
-                st.outside_between_blocks = True  # see [Note: a backward outside scale_loss...]
+            if not any(o.masters.blocks_open for o in st.group.optimizers):
+                st.outside_seen = True
+                if st.state is OptState.SCALED:  # see [Note: a backward outside scale_loss...]
+                    st.outside_between_blocks = True
 
 
 def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:

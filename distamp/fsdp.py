@@ -54,8 +54,7 @@ from .config import (
 from .masters.base import ModelGrads, local_tensor
 from .masters.clipping import norm_part, scale_to_max_norm_, total_norm
 from .masters.nonfinite import check_and_unscale_
-from .masters.optimizer import AmpOptimizer, AmpOptimizerState
-from .optstate import OptState
+from .masters.optimizer import AmpOptimizer, AmpOptimizerState, backward_reached
 from .scaler import ScalerGroup, scaler_facts, split_loss_scale
 
 BlockSpec = Sequence[type[nn.Module] | nn.Module] | Callable[[nn.Module], bool] | None
@@ -718,11 +717,7 @@ class UnshardedReached:
         st = self.st()
         if st is None:
             return
-        st.backward_since_step = True
-        if not any(o.masters.blocks_open for o in st.group.optimizers):
-            st.outside_seen = True
-            if st.state is OptState.SCALED:
-                st.outside_between_blocks = True
+        backward_reached(st)
 
 
 OVERRIDES = frozenset(

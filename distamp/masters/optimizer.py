@@ -1158,6 +1158,16 @@ def guard_nested_optimizers(opt: torch.optim.Optimizer, st: AmpOptimizerState) -
             value.register_step_pre_hook(NestedStepGuard(st, attr))
 
 
+def backward_reached(st: AmpOptimizerState) -> None:
+    """A backward reached this optimizer's gradients (:class:`BackwardSeen`, FSDP's
+    ``UnshardedReached``): recorded, and whether it ran outside every block of the group."""
+    st.backward_since_step = True
+    if not any(o.masters.blocks_open for o in st.group.optimizers):
+        st.outside_seen = True
+        if st.state is OptState.SCALED:  # see [Note: a backward outside scale_loss, then a block]
+            st.outside_between_blocks = True
+
+
 class BackwardSeen:
     """Post-accumulate-grad hook on each trainable model parameter: a backward reached it.
 
@@ -1172,11 +1182,7 @@ class BackwardSeen:
     def __call__(self, _: torch.Tensor) -> None:
         st = self.st()
         if st is not None:
-            st.backward_since_step = True
-            if not any(o.masters.blocks_open for o in st.group.optimizers):
-                st.outside_seen = True
-                if st.state is OptState.SCALED:  # see [Note: a backward outside scale_loss...]
-                    st.outside_between_blocks = True
+            backward_reached(st)
 
 
 def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:

@@ -221,7 +221,8 @@ class MasterParams(ModelGrads):
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
     ) -> torch.Tensor | None:
         """``[0, 0, hg, -hg, hl, -hl]`` (the layout of ``ShardedMasterParams.
-        replica_fingerprint``, no weights to compare; ``hl``: see :meth:`take_load_hash`): ``hg`` hashes the first values of every model gradient, identical on
+        replica_fingerprint``, no weights to compare; ``hl``: see :meth:`take_load_hash`):
+        ``hg`` hashes the first values of every model gradient, identical on
         every rank once DDP's all-reduce made them. A DDP built before wrap (O2/O3 cast the
         weights in place: DDP's gradient hooks, on the FP32 weights, never fired), over another
         group than wrap's, or none at all left each rank stepping its own gradients and the

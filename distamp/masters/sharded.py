@@ -720,8 +720,8 @@ class ShardedMasterParams(WeightGather, ModelGrads):
     def replica_fingerprint(
         self, ignored: frozenset[int], *, hooked: frozenset[int] = frozenset()
     ) -> torch.Tensor | None:
-        """``[hw, -hw, hg, -hg, hl, -hl]``: bit hashes of what must be identical on every rank of the
-        masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
+        """``[hw, -hw, hg, -hg, hl, -hl]``: bit hashes of what must be identical on every rank of
+        the masters' group, as float32 numbers a MAX all-reduce can compare (equal everywhere iff
         max(h) == -max(-h)): ``hw`` of the parameters every rank steps whole, ``hg`` of the first
         elements of every sharded weight's gradient when DDP's all-reduce made them (no
         reduce-scatter hook), ``hl`` of the values loaded since (see ``take_load_hash``). A DDP

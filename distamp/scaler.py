@@ -45,7 +45,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
-from .masters.base import bit_hash, grad_samples, grad_versions, local_tensor
+from .masters.base import any_nonzero, bit_hash, grad_samples, grad_versions, local_tensor
 from .optstate import HELD, OptState
 
 if TYPE_CHECKING:
@@ -337,13 +337,6 @@ def split_loss_scale(
         )
     plain = "dynamic" if loss_scale.dynamic else float(loss_scale.settings["loss_scale"])
     return plain, loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale
-
-
-def _holds_gradients(st: AmpOptimizerState) -> bool:
-    """Whether any of this rank's model gradients (FSDP's local shards) is non-zero (one host
-    read; for messages)."""
-    grads = [local_tensor(p.grad) for p in st.masters.model_params if p.grad is not None]
-    return bool(grads) and bool(torch.stack([g.ne(0).any() for g in grads]).any())
 
 
 def scaler_facts(template: LossScaler | None) -> list[tuple[str, str]]:
@@ -1110,7 +1103,8 @@ class ScalerGroup:
             # loss.backward() where the others ran a block was told of Join and discards)
             # (with blocks too: refused before the counts, naming the rank) Under FSDP no hook
             # sees a backward: its gradients are read (an audit: "ran no backward")
-            reached = st.outside_seen or (st.masters.fsdp and _holds_gradients(st))
+            held = [p.grad for p in st.masters.model_params if p.grad is not None]
+            reached = st.outside_seen or (st.masters.fsdp and any_nonzero(held))
             outside = bool(reached and not st.backwards)
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, (mine, outside), group=group)

@@ -45,7 +45,8 @@ from .config import (
     warn_from_caller,
 )
 from .forensics import NonFiniteReport
-from .masters.base import MasterWeights, grad_versions, local_tensor
+from .masters.base import MasterWeights, any_nonzero, grad_versions, local_tensor
+from .masters.clipping import norm_part
 from .masters.layout import check_sliceable
 from .masters.optimizer import (
     OUTSIDE_BEFORE,
@@ -804,10 +805,9 @@ def _refuse_nonfinite_fsdp1_norm(
     """Collective: torch's ``error_if_nonfinite`` over FSDP1's flat shards, whose clip has no
     such option: the global norm from each rank's, then torch's error (gradients untouched)."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
-    inf = math.isinf(norm_type)
-    part = local.double().reshape(1) if inf else local.double().pow(norm_type).reshape(1)
-    all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group)
+    device = grads[0].device if grads else torch.device("cpu")
+    part = norm_part(grads, norm_type, device)
+    all_reduce_(part, dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group)
     if not bool(torch.isfinite(part).all()):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -949,7 +949,7 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     # With several ranks the refusal waits for the step, where every rank raises together.
     several = st.group.process_group is not None and st.group.world > 1
     if st.outside_between_blocks:
-        if _any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
+        if any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
             if several:
                 return
             refuse_outside_backward("scale_loss", OUTSIDE_BETWEEN)
@@ -960,7 +960,7 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
         return
     if scale == 1.0 and not st.masters.reduced:
         return
-    if not _any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
+    if not any_nonzero([p.grad for p in st.masters.model_params if p.grad is not None]):
         # Cleared since (the module's zero_grad, .grad = None): what the reduce-scatter hook
         # gathered for that backward goes with them (an audit: its shard gradients were
         # stepped with the block's own unreduced .grad, |w| 9536 at O2)
@@ -971,19 +971,6 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
         st.outside_before_block = True
         return
     refuse_outside_backward("scale_loss", OUTSIDE_BEFORE)
-
-
-def _any_nonzero(grads: list[torch.Tensor]) -> bool:
-    """Whether any of ``grads`` (dense, sparse COO, or DTensors' local shards) holds a non-zero
-    value: one host read for all of them."""
-    flags = []
-    for grad in grads:
-        grad = local_tensor(grad)
-        values = grad.coalesce()._values() if grad.is_sparse else grad
-        flags.append(values.ne(0).any())
-    if not flags:
-        return False
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())
 
 
 def _close_block(

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from asserts import assert_same
+from asserts import assert_same, step_error
 from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -377,11 +377,7 @@ def _outside_backward_instead_of_a_block_on_one_rank(rank, world):
     else:
         with distamp.scale_loss(loss, opt) as scaled:
             scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return step_error(opt)
 
 
 def test_a_rank_whose_only_backward_ran_outside_scale_loss_is_named_under_fsdp():

@@ -324,6 +324,19 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def any_nonzero(grads: list[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` (dense, sparse COO, or DTensors' local shards) holds a non-zero
+    value: one host read for all of them."""
+    flags = []
+    for grad in grads:
+        grad = local_tensor(grad)
+        values = grad.coalesce()._values() if grad.is_sparse else grad
+        flags.append(values.ne(0).any())
+    if not flags:
+        return False
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).any())
+
+
 @torch.compiler.disable  # a host-side read: traced, one recompile per parameter (an audit:
 def grad_versions(  # Dynamo's recompile limit); one entry through its wrapper per list, ~1.6 us
     params: Iterable[torch.Tensor],  # each: per parameter, ~5 ms of a step over 3,000 (an audit)

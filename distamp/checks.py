@@ -224,6 +224,7 @@ def check_optimizers(
 ) -> None:
     """Refuse optimizers wrapped already, LBFGS, and parameters of no model given to ``api``."""
     seen: dict[int, int] = {}
+    where_seen: dict[int, str] = {}
     for i, opt in enumerate(optimizers):
         where = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
         if isinstance(opt, AmpOptimizer):
@@ -250,6 +251,16 @@ def check_optimizers(
             )
         for g, group in enumerate(opt.param_groups):
             for k, param in enumerate(group["params"]):
+                if id(param) not in names and param.is_meta:
+                    # (an audit: only "not a parameter of the model(s)" was said)
+                    raise ValueError(
+                        f"{where}: param_groups[{g}]['params'][{k}] (shape "
+                        f"{tuple(param.shape)}) is on the meta device and not a parameter of "
+                        f"the model(s) passed to {api}: expected the optimizer built on the "
+                        "materialized model. model.to_empty(device=...) replaces every "
+                        "parameter, so an optimizer built before it holds the meta ones: create "
+                        "the optimizer after materializing the model"
+                    )
                 if id(param) not in names:
                     raise ValueError(
                         f"{where}: param_groups[{g}]['params'][{k}] (shape {tuple(param.shape)}, "
@@ -266,7 +277,60 @@ def check_optimizers(
                         f"{where}: parameter {names[id(param)]!r} is also held by "
                         f"optimizers[{seen[id(param)]}]: expected each parameter in one optimizer"
                     )
+                if id(param) in seen:
+                    # torch only warns ("will cause an error in future"); stepped as given, each
+                    # opt_level did something else: O1 unscaled the gradient twice and never
+                    # trained, sharded masters laid the parameter out twice (an audit)
+                    raise ValueError(
+                        f"{where}: parameter {names[id(param)]!r} appears twice, at "
+                        f"{where_seen[id(param)]} and param_groups[{g}]['params'][{k}]: expected "
+                        "each parameter once in the optimizer's param_groups (torch warns that "
+                        "this will be an error)"
+                    )
                 seen[id(param)] = i
+                where_seen[id(param)] = f"param_groups[{g}]['params'][{k}]"
+
+
+def check_no_aliased_params(
+    models: list[nn.Module], names: dict[int, str], replaced: frozenset[int], why: str
+) -> None:
+    """Refuse two distinct parameters overlapping in one storage (``nn.Parameter(a.weight[:2])``)
+    where wrap replaces either (``replaced``: cast to the half dtype, or given masters): each
+    would then be its own tensor and the model trained as another one, silently (an audit).
+    Disjoint views of one buffer (an RNN's flattened weights, a contiguous parameter buffer) and
+    one parameter under two names (tied by assignment) are fine."""
+    if not replaced:
+        return
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    seen: set[int] = set()
+    for model in models:
+        for param in model.parameters():
+            if param.is_meta or param.numel() == 0 or id(param) in seen:
+                continue
+            seen.add(id(param))
+            first = param.storage_offset() * param.element_size()  # in bytes, as the storage
+            extent = sum(
+                (n - 1) * abs(st) for n, st in zip(param.shape, param.stride(), strict=True)
+            )
+            last = first + (extent + 1) * param.element_size() - 1
+            by_storage.setdefault(param.untyped_storage().data_ptr(), []).append(
+                (first, last, id(param))
+            )
+    for spans in by_storage.values():
+        spans.sort()
+        reach, a = spans[0][1], spans[0][2]  # the furthest an earlier span reaches, and whose
+        for first, last, b in spans[1:]:
+            if first <= reach and (a in replaced or b in replaced):
+                raise ValueError(
+                    f"distamp.wrap: parameters {names[a]!r} and {names[b]!r} overlap in one "
+                    f"storage (one is a view of the other's tensor), and {why} gives each its "
+                    "own tensor: they would train as two. Expected parameters that do not "
+                    "overlap, or one parameter under two names (tie by assignment: b.weight = "
+                    "a.weight); an O0/O1 run with replicated masters (shard_master_weights=False)"
+                    " keeps such views as they are"
+                )
+            if last > reach:
+                reach, a = last, b
 
 
 def check_params_read_from_groups(

@@ -21,6 +21,7 @@ from .checks import (
     as_list,
     as_optimizer_list,
     check_models,
+    check_no_aliased_params,
     check_optimizers,
     check_params_read_from_groups,
     fingerprint,
@@ -181,6 +182,14 @@ def wrap(
         )
         cast_ids = _master_ids(plan, props, opt_list)
         check_params_read_from_groups(opt_list, cast_ids, names)  # before anything changes
+        check_no_aliased_params(
+            model_list,
+            names,
+            plan.cast_params | cast_ids,
+            "sharding the FP32 weights into one flat buffer"
+            if props.shard_master_weights
+            else f"opt_level {props.opt_level!r}",
+        )
         if plan.half_dtype is not None or cast_ids:
             _refuse_script_modules(model_list, props)
     check_same_on_all_ranks("distamp.wrap", facts, group)

@@ -787,6 +787,19 @@ def test_consolidate_cli_gives_a_plain_fp32_model(tmp_path):
     assert as_json.returncode == 1
 
 
+def test_consolidate_widens_half_entries_and_keeps_float64_ones(tmp_path):
+    """A float64 buffer came out of consolidate as float32, rounded (an audit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    model.register_buffer("scale64", torch.tensor([1 + 1e-10], dtype=torch.float64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", verbosity=0)  # (O2 casts the buffer)
+    distamp.save_checkpoint(tmp_path / "ckpt", model, opt)
+    state = consolidate(tmp_path / "ckpt")
+    assert state["scale64"].dtype == torch.float64 and state["scale64"].item() == 1 + 1e-10
+    assert all(state[k].dtype == torch.float32 for k in ("0.weight", "1.weight", "1.bias"))
+
+
 def test_consolidate_cli_leaves_no_truncated_file_behind(tmp_path):
     """A failed write left a truncated OUT.pt (torch.load: "failed finding central directory"),
     over a good one (an audit)."""

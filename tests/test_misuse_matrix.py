@@ -155,6 +155,23 @@ def _compiled():
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _built_before_to_empty():
+    with torch.device("meta"):
+        model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model, opt
+
+
+def _with_a_view_parameter():
+    model = net()
+    model.view = nn.Parameter(model[0].weight.data[:2])  # shares the weight's storage
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _half(model, opt):
     return model.half(), opt
 
@@ -233,6 +250,31 @@ MATRIX = [
         lambda m, o, t: distamp.wrap(m, torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=1)),
         ValueError,
         r"is not a parameter of the model",
+    ),
+    (
+        "a parameter twice in one param group",
+        plain,
+        lambda m, o, t: distamp.wrap(
+            m, torch.optim.SGD([*m.parameters(), m[0].weight], lr=0.1), opt_level="O1"
+        ),
+        ValueError,
+        r"parameter '0\.weight' appears twice, at param_groups\[0\]\['params'\]\[0\] and "
+        r"param_groups\[0\]\['params'\]\[\d+\]",
+    ),
+    (
+        "an optimizer built before model.to_empty",
+        lambda: _built_before_to_empty(),
+        lambda m, o, t: distamp.wrap(m, o),
+        ValueError,
+        r"is on the meta device and not a parameter of the model.*create the optimizer after",
+    ),
+    (
+        "a parameter a view of another's storage, at O2",
+        lambda: _with_a_view_parameter(),
+        lambda m, o, t: distamp.wrap(m, o, opt_level="O2"),
+        ValueError,
+        r"parameters '(view|0\.weight)' and '(view|0\.weight)' overlap in one storage .* "
+        r"opt_level 'O2'",
     ),
     (
         "model under DataParallel",
@@ -543,6 +585,22 @@ def test_misuse_raises_names_the_problem_and_loses_nothing(
         misuse(model, opt, tmp_path)
     assert re.search(pattern, str(info.value)), f"{name}: {info.value}"
     same(snapshot(model, opt), before, name)
+
+
+def test_disjoint_views_of_one_buffer_are_not_refused():
+    """Parameters laid out in one flat buffer (an RNN's flattened weights on CUDA, a contiguous
+    parameter buffer) share a storage but no element: wrap takes them at O2."""
+    model = net()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    at = 0
+    for module in model:
+        for name, p in list(module.named_parameters()):
+            setattr(module, name, nn.Parameter(flat[at : at + p.numel()].view_as(p)))
+            at += p.numel()
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
+    with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
 
 
 def test_unscale_twice_is_refused_and_loses_nothing():

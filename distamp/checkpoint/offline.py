@@ -34,8 +34,8 @@ def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Te
     """One FP32 state dict of model ``model_index`` from a checkpoint, without the ranks.
 
     Parameters with FP32 masters get the master values (not the rounded half weights); other
-    floating-point entries are cast to FP32; integer buffers stay as they are. A plain, unwrapped
-    FP32 model loads it with ``load_state_dict``. Not a collective.
+    half entries are widened to FP32 (float64 ones stay float64); integer buffers stay as they
+    are. A plain, unwrapped FP32 model loads it with ``load_state_dict``. Not a collective.
     """
     directory = Path(directory)
     manifest = files.read_manifest(directory)
@@ -65,7 +65,8 @@ def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Te
             flat_key, start, shape = where[canonical]
             n = numel(shape)
             out[key] = dest[flat_key][start : start + n].view(shape).clone()
-        elif value.is_floating_point():
+        elif value.dtype in (torch.float16, torch.bfloat16):
+            # half tensors widened; float64 kept (an audit: a float64 buffer came out rounded)
             out[key] = value.float()
         else:
             out[key] = value

@@ -884,7 +884,7 @@ class ScalerGroup:
                 )
                 if replicas is not None:
                     parts.append(replicas.to(device, torch.float64))
-            # [Note: what the ranks' blocks are, and who decided early] Last, three more: 1 if
+            # [Note: what the ranks' blocks are, and who decided early] Last, more: 1 if
             # this rank decides in distamp.unscale_/clip_grad_norm_ (every rank then checks the
             # gradients edited after it at step(), a collective: a rank alone in it, the others
             # gone on to the gather, hung or aborted — an audit, rank 0 unscaling to log the
@@ -906,7 +906,11 @@ class ScalerGroup:
                 # and a backward outside scale_loss here: its kind and this rank, MAX-reduced
                 # (see refuse_outside_backward)
                 here = outside * self.world + self.rank if outside else 0.0
+                # and the loss scales with what moves them next, +s/-s (see
+                # _refuse_parted_loss_scales)
+                sc = self._scales_hash()
                 tail = [early, kinds, -kinds, float(st.index), -float(st.index), refusing, here]
+                tail += [sc, -sc]
                 parts.append(torch.tensor(tail, dtype=torch.float64, device=device))
             vector = torch.cat(parts)
             if self.process_group is not None:
@@ -951,12 +955,15 @@ class ScalerGroup:
                 at = FLAG_SLOTS + 3 + EVIDENCE_SLOTS
                 self._refuse_parted_settings(st, values[at], values[at + 1])
             if replicas is not None:
+                self._refuse_different_loads(values[-2:], loaded, api)
+            if tail and tail[7] != -tail[8]:  # (before the replicas, which it parts)
+                self._refuse_parted_loss_scales(api)
+            if replicas is not None:
                 # An inf/NaN on one rank's gradients parts them too: the step is skipped then.
                 # A rank about to refuse the step does not compare them: under the reduce-
                 # scatter hook a second step() found each rank's own unreduced ones and was
                 # refused as "gradients different", its real cause unsaid (an audit).
                 check = not skipping and not st.refusing
-                self._refuse_different_loads(values[-2:], loaded, api)
                 self._refuse_parted_replicas(st, values[-6:-2], check_grads=check, api=api)
             evidence = values[FLAG_SLOTS + 2 : FLAG_SLOTS + 2 + EVIDENCE_SLOTS]
             report = read_evidence(
@@ -1158,6 +1165,40 @@ class ScalerGroup:
             "rank whose loss 1 met another's loss 0 backs off another scale than its peers and "
             "the ranks part. Pass the same loss_id on every rank (an auxiliary loss some ranks "
             "skip: compute it everywhere, times 0 where it does not apply)"
+        )
+
+    def _scale_state(self) -> list[tuple[float, int, int]]:
+        """Each loss's scale and what moves it next: equal on every rank, as the decisions are."""
+        return [(sc.scale, sc.clean_steps, sc.hysteresis_left) for sc in self.scalers]
+
+    def _scales_hash(self) -> float:
+        """A hash of :meth:`_scale_state`, exact in float64, alike in every process."""
+        return float(zlib.crc32(repr(self._scale_state()).encode()))
+
+    def _refuse_parted_loss_scales(self, api: str) -> None:
+        """Loss scales that differ between ranks (``amp.load_state_dict`` on rank 0 only): DDP
+        averaged gradients scaled by different factors and each rank unscaled by its own, so
+        at O1 the replicas parted silently, and elsewhere the replica check blamed the
+        gradients (an audit). Collective (every rank read the same hashes): names each rank's."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        gathered: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(gathered, self._scale_state(), group=group)
+        parted = []
+        for j in range(len(self.scalers)):
+            for k, what in enumerate(("scale", "steps since its last change", "hysteresis left")):
+                seen = [state[j][k] for state in gathered]
+                if len(set(seen)) > 1:
+                    shown = ", ".join(
+                        f"rank {r} {v:g}" for r, v in list(zip(ranks, seen, strict=True))[:8]
+                    )
+                    parted.append(f"loss {j}'s {what}: {shown}")
+        raise RuntimeError(
+            f"{api}: expected every rank's loss scale (and the state that moves it) to be the "
+            f"same, found {'; '.join(parted[:4]) or 'them different'} (raised on rank "
+            f"{dist.get_rank()}): the ranks' gradients were scaled by different factors. The "
+            "usual cause: amp.load_state_dict, load_checkpoint's scaler state or a loss scale "
+            "set by hand on some ranks only — load or set it on every rank"
         )
 
     def _refuse_parted_settings(self, st: AmpOptimizerState, high: float, neg_low: float) -> None:

@@ -196,6 +196,40 @@ def test_settings_that_part_between_ranks_are_refused_on_every_rank(shard):
         assert "param_groups[0]['lr'] (rank 0: 0.01, rank 1: 0.005)" in message, message
 
 
+def _scale_loaded_on_rank_0(rank, world, level):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distamp import amp
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.float16)
+    ddp = DDP(model)
+    if rank == 0:  # "load the checkpoint on rank 0", the scaler's state only
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0}})
+    weights = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with amp.scale_loss(ddp(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    error = step_error(opt)
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    return error, unchanged, distamp.stats(opt).loss_scales[0]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_loss_scales_that_differ_between_ranks_are_refused_on_every_rank(level):
+    """amp.load_state_dict on rank 0 only: DDP averaged gradients scaled by 256 and 65536, each
+    rank unscaled by its own, and at O1 the replicas parted silently (an audit)."""
+    for rank, (error, unchanged, scale) in enumerate(
+        run_ranks(_scale_loaded_on_rank_0, 3, level, timeout=90)
+    ):
+        assert error is not None, rank
+        assert "expected every rank's loss scale" in error, error
+        assert "loss 0's scale: rank 0 256, rank 1 65536, rank 2 65536" in error, error
+        assert "on some ranks only" in error
+        assert unchanged and scale == (256.0 if rank == 0 else 65536.0)
+
+
 def _ddp_before_wrap(rank, world, level):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP

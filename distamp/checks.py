@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import casting
 from .collectives import short_order
@@ -155,6 +156,18 @@ def check_models(
                     "nn.LazyLinear, LazyConv*, ...), expected FP32 weights of a known shape: run "
                     "one forward pass with a real batch before distamp.wrap (torch then "
                     "materializes them), or build the module with its sizes"
+                )
+            if isinstance(param, DTensor):
+                # (an audit: wrap crashed inside torch's DTensor dispatch, fully_shard after
+                # parallelize_module too; getting past that, the skip decision and the clipping
+                # norm covered the data-parallel ranks only and the tensor-parallel ones parted)
+                raise ValueError(
+                    f"{where}: parameter {pname!r} is a DTensor ({param.placements} on "
+                    f"{param.device_mesh}), expected a plain tensor: tensor parallelism "
+                    "(parallelize_module) is not supported by distamp's masters and loss "
+                    "scaler: with TP (and torch's own fully_shard over it) use torch.autocast "
+                    "and distamp.GradScaler, which decides its skips over every rank the "
+                    "gradients span"
                 )
             if not param.is_floating_point():
                 continue

@@ -636,7 +636,7 @@ class ScalerGroup:
         """Record the ``scale_loss`` block that just ran its backward at ``scale``."""
         block = Backward(loss_id, list(states))
         if loss is not None:
-            value = loss.detach()
+            value = local_tensor(loss.detach())  # (loss_parallel's loss is a DTensor)
             block.loss_kind = torch.where(
                 torch.isnan(value).any(), 2, torch.where(torch.isinf(value).any(), 1, 0)
             )

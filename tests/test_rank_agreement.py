@@ -613,3 +613,42 @@ def test_ranks_adding_different_parameters_are_refused_at_the_step(level, kwargs
         assert message is not None, level
         assert "params held (count, elements, shapes hash)" in message, message
         assert "add_param_group called with other parameters" in message, message
+
+
+def _tensor_parallel(rank, world, api):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import distamp.fsdp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    parallelize_module(
+        model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = model[0].weight.to_local().clone()
+    try:
+        if api == "wrap":
+            distamp.wrap(model, opt, opt_level="O1")
+        else:
+            distamp.fsdp.fully_shard(model, opt, opt_level="O1")
+    except ValueError as err:
+        return str(err), torch.equal(model[0].weight.to_local(), local)
+    return None, True
+
+
+@pytest.mark.parametrize("api", ["wrap", "fully_shard"])
+def test_tensor_parallel_parameters_are_refused_by_name_on_every_rank(api):
+    """parallelize_module's DTensor parameters crashed inside torch's DTensor dispatch (wrap's
+    broadcast, fully_shard's fingerprint); past that, the skip decision and the clip norm
+    covered the data-parallel ranks only (an audit)."""
+    for message, untouched in run_ranks(_tensor_parallel, 2, api, timeout=90):
+        assert message is not None and untouched
+        assert "parameter '0.weight' is a DTensor" in message, message
+        assert "tensor parallelism (parallelize_module) is not supported" in message
+        assert "distamp.GradScaler" in message

@@ -693,6 +693,57 @@ def test_overlapped_update_gather_with_inference_threads_and_copies(monkeypatch)
         assert torch.equal(a, b)
 
 
+def _background_evaluation(rank, world, evaluate):
+    """O0 sharded weights with 16-bit updates gathered in rounds; a thread evaluates the model
+    in a loop while the main thread trains (through every step())."""
+    import threading
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 600), nn.ReLU(), nn.Linear(600, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O0", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model)
+    distamp.hooks.register(
+        ddp, opt, reduce_scatter=True, overlap_gather=True, gather_dtype=torch.bfloat16
+    )
+    stop, probe = threading.Event(), torch.randn(16, 8)
+
+    def evaluation():
+        while not stop.is_set():
+            with torch.no_grad():
+                model(probe)
+
+    worker = threading.Thread(target=evaluation)
+    if evaluate:
+        worker.start()
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(20):
+        loss = F.mse_loss(ddp(torch.randn(16, 8, generator=gen)), torch.zeros(16, 4))
+        with distamp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    stop.set()
+    if evaluate:
+        worker.join(60)
+    with torch.no_grad():
+        model(probe)  # lands the last gather
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_an_evaluation_thread_running_through_step_leaves_training_as_it_was(monkeypatch):
+    """The step computed each round's update in the FP32 scratch the other thread's forward
+    applied the rounds gathered so far through: the update sent or applied was overwritten and
+    the ranks parted, 3 runs in 3 (an audit)."""
+    monkeypatch.setenv("DISTAMP_TEST_SHARD_BLOCK", "64")  # many rounds
+    alone = run_ranks(_background_evaluation, 2, False)
+    evaluated = run_ranks(_background_evaluation, 2, True)
+    assert torch.equal(evaluated[0], evaluated[1])
+    assert torch.equal(evaluated[0], alone[0]) and torch.equal(alone[0], alone[1])
+
+
 def _never_synced(rank: int, world: int, level: str) -> str:
     """A step after a backward DDP never synced, with the reduce-scatter hook."""
     import torch.nn.functional as F

@@ -321,10 +321,9 @@ def check_no_aliased_params(
             if param.is_meta or param.numel() == 0 or id(param) in seen:
                 continue
             seen.add(id(param))
-            first = param.storage_offset() * param.element_size()  # in bytes, as the storage
-            extent = sum(
-                (n - 1) * abs(st) for n, st in zip(param.shape, param.stride(), strict=True)
-            )
+            first = int(param.storage_offset()) * param.element_size()  # in bytes
+            shape, strides = param.shape, param.stride()
+            extent = sum((int(n) - 1) * abs(int(s)) for n, s in zip(shape, strides, strict=True))
             last = first + (extent + 1) * param.element_size() - 1
             by_storage.setdefault(param.untyped_storage().data_ptr(), []).append(
                 (first, last, id(param))

@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import threading
 import warnings
 import weakref
 import zlib
@@ -459,6 +460,9 @@ class ScalerGroup:
         see :meth:`after_skip`); a step taken resets it."""
         self.last_nonfinite: NonFiniteReport | None = None
         self.found_inf_collectives = 0
+        self.block_threads: dict[int, int] = {}
+        """Thread ident -> scale_loss blocks open there (see wrap.py's _enter_block_thread)."""
+        self.block_lock = threading.Lock()
         """All-reduces issued for the skip decision (at most one per optimizer step)."""
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: to explain misuse in error messages, and to read

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import operator
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -893,12 +894,17 @@ def scale_loss(
                 "step(); expected step() before the next backward"
             )
         _refuse_after_outside_backward(st, group.scalers[loss_id].scale)
-    scale = group.prepare_backward(loss_id, states)
-    scaled = loss.float() * scale
-    watch = scaled.requires_grad and scale != 1.0 and all(map(_sees_backward, states))
-    through_scaled: list[bool] = []
-    if watch:
-        scaled.register_hook(lambda _: through_scaled.append(True))
+    _enter_block_thread(group)
+    try:
+        scale = group.prepare_backward(loss_id, states)
+        scaled = loss.float() * scale
+        watch = scaled.requires_grad and scale != 1.0 and all(map(_sees_backward, states))
+        through_scaled: list[bool] = []
+        if watch:
+            scaled.register_hook(lambda _: through_scaled.append(True))
+    except BaseException:
+        _leave_block_thread(group)
+        raise
     # The group's other optimizers: does this block's backward reach them too (see [Note: a block
     # that does not list an optimizer it reaches] in scaler.py)?
     others = [o for o in group.optimizers if o not in states and _sees_backward(o)]
@@ -982,6 +988,32 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     refuse_outside_backward("scale_loss", OUTSIDE_BEFORE)
 
 
+def _enter_block_thread(group: ScalerGroup) -> None:
+    """Count a block open in this thread, refusing one while another thread has a block of the
+    same wrap call open: blocks attribute each backward through flags their optimizers share, so
+    two models of one call trained in two threads at once had one thread's backward taken as the
+    other's block reaching its optimizer, and a step refused at random (an audit)."""
+    here = threading.get_ident()
+    with group.block_lock:
+        others = [t for t in group.block_threads if t != here]
+        if others:
+            raise RuntimeError(
+                "scale_loss: expected the scale_loss blocks of one distamp.wrap call to run one "
+                f"at a time, found a block open in another thread (thread {others[0]}) as this "
+                "one opens: models trained concurrently in threads need one distamp.wrap call "
+                "each (each then has its own loss scale and skip decisions)"
+            )
+        group.block_threads[here] = group.block_threads.get(here, 0) + 1
+
+
+def _leave_block_thread(group: ScalerGroup) -> None:
+    here = threading.get_ident()
+    with group.block_lock:
+        group.block_threads[here] -= 1
+        if not group.block_threads[here]:
+            del group.block_threads[here]
+
+
 def _close_block(
     states: list[Any], others: list[Any], before: list[bool]
 ) -> tuple[bool, list[Any]]:
@@ -989,6 +1021,7 @@ def _close_block(
     others it reached, and each optimizer's "backward since step" flag restored with it."""
     for st in states:
         st.masters.blocks_open -= 1
+    _leave_block_thread(states[0].group)
     reached = any(st.backward_since_step for st in states)
     foreign = [o for o in others if o.backward_since_step]
     for st, seen in zip((*states, *others), before, strict=True):

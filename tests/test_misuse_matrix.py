@@ -755,3 +755,40 @@ def test_arguments_of_the_wrong_type_are_named_by_the_function_that_takes_them(t
         with pytest.raises(TypeError, match=f"GradScaler: {name}: expected"):
             distamp.GradScaler("cpu", **kwargs)
     distamp.GradScaler("cpu", enabled=False, growth_factor="2")  # unchecked when off, as torch
+
+
+def test_blocks_of_one_wrap_call_open_in_two_threads_at_once_are_refused():
+    """Two models of one wrap call trained concurrently in two threads: one thread's backward
+    was taken as the other's block reaching its optimizer, and a step was refused at random
+    ("a block of loss_id=0 ... that did not list it", an audit). Now the second block to open
+    while another thread's is open is refused, naming the cause; one wrap call per thread works."""
+    import threading
+
+    models = [net(), net()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    models, opts = distamp.wrap(models, opts, opt_level="O1", num_losses=2, verbosity=0)
+    opened, closing, refused = threading.Event(), threading.Event(), []
+
+    def other_thread():
+        with distamp.scale_loss(models[1](torch.randn(3, 4)).sum(), opts[1], loss_id=1) as s:
+            opened.set()
+            closing.wait(30)
+            s.backward()
+        opts[1].step()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    opened.wait(30)
+    before = [p.detach().clone() for p in models[0].parameters()]
+    with pytest.raises(RuntimeError, match=r"one at a time, found a block open in another thread"):
+        with distamp.scale_loss(models[0](torch.randn(3, 4)).sum(), opts[0], loss_id=0):
+            refused.append("entered")
+    closing.set()
+    worker.join(30)
+    assert not refused and distamp.stats(opts[1]).steps == 1
+    # nothing of this thread's was touched: its block opens and steps once the other closed
+    with distamp.scale_loss(models[0](torch.randn(3, 4)).sum(), opts[0], loss_id=0) as s:
+        s.backward()
+    opts[0].step()
+    assert distamp.stats(opts[0]).steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, models[0].parameters(), strict=True))

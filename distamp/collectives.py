@@ -128,9 +128,17 @@ def check_same_on_all_ranks(
     for other_rank, other in enumerate(gathered):
         assert other is not None
         if other != reference:
+            found = _first_difference(reference, other, other_rank)
             raise ValueError(
-                f"{what}: the ranks disagree — {_first_difference(reference, other, other_rank)}; "
-                "every rank must run the same model and settings"
+                f"{what}: the ranks disagree — {found}; every rank must run the same model and "
+                "settings"
+                + (
+                    " (pipeline or model-parallel stages: pass process_group= the group of the "
+                    "ranks holding the same stage, and decide skips over all stages with "
+                    'torch.autocast and distamp.GradScaler: README, "Pipeline stages")'
+                    if "parameter" in found
+                    else ""
+                )
             )
 
 

@@ -133,6 +133,9 @@ class GradScaler:
         )
         self._group = process_group
         self._per_optimizer: dict[int, tuple[_Stage, bool]] = {}
+        self._own_parts: set[int] = set()
+        """Optimizers whose last decision found the ranks holding other parameters (a
+        pipeline's stages): their gradients' norm is each rank's part (see :meth:`decision`)."""
         self._order: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
             weakref.WeakKeyDictionary()
         )
@@ -204,6 +207,14 @@ class GradScaler:
             self._per_optimizer.get(id(o), (_Stage.READY, False))[0] is not _Stage.READY
             for o in optimizers
         )
+
+    def decision(self, optimizers: tuple[object, ...]) -> tuple[bool, bool]:
+        """(skip, the ranks hold other parameters) of the last :meth:`unscale_` of one of
+        ``optimizers`` since :meth:`update`; (False, False) when none."""
+        for o in optimizers:
+            if id(o) in self._per_optimizer:
+                return self._per_optimizer[id(o)][1], id(o) in self._own_parts
+        return False, False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale and decide, on every rank alike, whether
@@ -315,6 +326,9 @@ class GradScaler:
                 f"found none on {where} (run backward on the scaled loss first)"
             )
         self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
+        same_params = values[-4] == -values[-3] and values[-2] == -values[-1]
+        if not same_params:
+            self._own_parts.add(id(optimizer))
         report = read_evidence(
             values[2 : 2 + EVIDENCE_SLOTS],
             [],
@@ -323,7 +337,7 @@ class GradScaler:
             world,
             # where the ranks list other parameters (a pipeline's stages), only the culprit
             # names its own; where they list the same (DDP), every rank names it
-            own_rank=None if values[-4] == -values[-3] and values[-2] == -values[-1] else rank,
+            own_rank=None if same_params else rank,
         )
         if report is not None:
             if group is not None and world > 1:  # named by the global rank
@@ -435,6 +449,7 @@ class GradScaler:
             if overflow:
                 self._refuse_skipping_forever()
         self._per_optimizer = {}
+        self._own_parts = set()
         self._limits, self._reports = [], []
 
     def _refuse_skipping_forever(self) -> None:

@@ -714,6 +714,7 @@ def _background_evaluation(rank, world, evaluate):
         while not stop.is_set():
             with torch.no_grad():
                 model(probe)
+            model.state_dict()  # finishes the gather (an EMA's or a logger's habit)
 
     worker = threading.Thread(target=evaluation)
     if evaluate:
@@ -736,7 +737,8 @@ def _background_evaluation(rank, world, evaluate):
 def test_an_evaluation_thread_running_through_step_leaves_training_as_it_was(monkeypatch):
     """The step computed each round's update in the FP32 scratch the other thread's forward
     applied the rounds gathered so far through: the update sent or applied was overwritten and
-    the ranks parted, 3 runs in 3 (an audit)."""
+    the ranks parted, 3 runs in 3; a state_dict() there finished the gather while the step was
+    still starting its rounds, which lost the later ones (audits)."""
     monkeypatch.setenv("DISTAMP_TEST_SHARD_BLOCK", "64")  # many rounds
     alone = run_ranks(_background_evaluation, 2, False)
     evaluated = run_ranks(_background_evaluation, 2, True)

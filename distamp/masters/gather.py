@@ -57,6 +57,7 @@ class WeightGather:
     waiters: list[Any]
     pending: list[list[Any]]
     waited: list[int]
+    launching: bool
     staging: torch.Tensor | None
     gather_lock: threading.RLock
 
@@ -76,10 +77,14 @@ class WeightGather:
         loaded state) gathers the exact values. The step in rounds (rounds.py) makes the
         same calls, one round at a time between the rounds it steps.
         """
-        self.begin_gather(after_step=after_step)
-        for j in range(self.gather_rounds()):
-            self.gather_round(j)
-        self.end_gather(after_step=after_step)
+        with self.gather_lock:  # see finish_gather
+            self.begin_gather(after_step=after_step)
+            try:
+                for j in range(self.gather_rounds()):
+                    self.gather_round(j)
+            finally:
+                self.launching = False
+            self.end_gather(after_step=after_step)
 
     def gather_rounds(self) -> int:
         """Rounds of blocks of the longest group: how many :meth:`gather_round` calls a gather
@@ -102,6 +107,7 @@ class WeightGather:
             self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
             self.pending = [[] for _ in self.groups]
             self.waited = [0] * len(self.groups)
+            self.launching = True
         if not self.pending_updates:
             return
         assert self.update_dtype is not None
@@ -188,6 +194,7 @@ class WeightGather:
     def end_gather(self, *, after_step: bool) -> None:
         """After the last :meth:`gather_round`: wait for the gather, unless it is the step's and
         may overlap the next forward (then only for the groups no forward hook waits for)."""
+        self.launching = False
         if not (after_step and self.overlap_gather):
             self.finish_gather()
             return
@@ -203,10 +210,18 @@ class WeightGather:
             self.wait_rounds(g, len(self.pending[g]))
 
     def finish_gather(self) -> None:
-        """Wait for every all-gather of the last step still in flight."""
+        """Wait for every all-gather of the last step still in flight.
+
+        Called while the step is still starting its rounds (a ``state_dict()`` in a step hook,
+        or in another thread — which the gather lock, held from ``begin_gather`` to
+        ``end_gather``, makes wait until then), it waits for the rounds started so far and
+        keeps the gather going: resetting it there lost the later rounds' works (an IndexError,
+        or rounds never applied on one rank: the ranks parted, an audit)."""
         with self.gather_lock:
             for g, works in enumerate(self.pending):
                 self.wait_rounds(g, len(works))
+            if self.launching:
+                return
             self.pending, self.waited = [], []
             if self.left_in_flight:
                 self.left_in_flight = False

@@ -130,8 +130,11 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         self.waited: list[int] = []
         """Per group, how many rounds of ``pending`` have been waited for."""
         self.gather_lock = threading.RLock()
-        """Held while waiting for (and applying) gathered rounds: forwards in several threads
-        wait together (see ``WeightGather.wait_rounds``)."""
+        """Held while waiting for (and applying) gathered rounds, and while a gather's rounds
+        are started: forwards in several threads wait together (see
+        ``WeightGather.wait_rounds``), and none finishes a gather still being started."""
+        self.launching = False
+        """Between ``begin_gather`` and ``end_gather``: see ``WeightGather.finish_gather``."""
         self.staging: torch.Tensor | None = None
         """Bytes shared by the 16-bit updates and the reduce-scatter hook: see [Note: one staging
         buffer for the two halves]."""

@@ -894,7 +894,7 @@ def scale_loss(
                 "step(); expected step() before the next backward"
             )
         _refuse_after_outside_backward(st, group.scalers[loss_id].scale)
-    _enter_block_thread(group)
+    opener = _enter_block_thread(group)
     try:
         scale = group.prepare_backward(loss_id, states)
         scaled = loss.float() * scale
@@ -903,7 +903,7 @@ def scale_loss(
         if watch:
             scaled.register_hook(lambda _: through_scaled.append(True))
     except BaseException:
-        _leave_block_thread(group)
+        _leave_block_thread(group, opener)
         raise
     # The group's other optimizers: does this block's backward reach them too (see [Note: a block
     # that does not list an optimizer it reaches] in scaler.py)?
@@ -917,7 +917,7 @@ def scale_loss(
     try:
         yield scaled
     except BaseException:
-        reached, foreign = _close_block(states, others, before)
+        reached, foreign = _close_block(states, others, before, opener)
         if reached:
             # [Note: a block that raised after its backward] A backward that ran (wholly, or
             # until a hook raised) left gradients at ``scale`` in .grad; a script that catches
@@ -927,7 +927,7 @@ def scale_loss(
             group.finish_backward(loss_id, states, scale, loss)
             group.reached_unlisted(foreign, loss_id, scale)
         raise
-    reached, foreign = _close_block(states, others, before)
+    reached, foreign = _close_block(states, others, before, opener)
     if watch and reached and not through_scaled:
         # An apex user's slip: ``loss.backward()`` inside the block. Its gradients are not
         # scaled, and step() divides them by the scale: updates 2**16 times too small, silently.
@@ -988,11 +988,12 @@ def _refuse_after_outside_backward(st: Any, scale: float) -> None:
     refuse_outside_backward("scale_loss", OUTSIDE_BEFORE)
 
 
-def _enter_block_thread(group: ScalerGroup) -> None:
-    """Count a block open in this thread, refusing one while another thread has a block of the
-    same wrap call open: blocks attribute each backward through flags their optimizers share, so
-    two models of one call trained in two threads at once had one thread's backward taken as the
-    other's block reaching its optimizer, and a step refused at random (an audit)."""
+def _enter_block_thread(group: ScalerGroup) -> int:
+    """Count a block open in this thread (returned: the block may close in another), refusing
+    one while another thread has a block of the same wrap call open: blocks attribute each
+    backward through flags their optimizers share, so two models of one call trained in two
+    threads at once had one thread's backward taken as the other's block reaching its
+    optimizer, and a step refused at random (an audit)."""
     here = threading.get_ident()
     with group.block_lock:
         others = [t for t in group.block_threads if t != here]
@@ -1004,24 +1005,26 @@ def _enter_block_thread(group: ScalerGroup) -> None:
                 "each (each then has its own loss scale and skip decisions)"
             )
         group.block_threads[here] = group.block_threads.get(here, 0) + 1
+    return here
 
 
-def _leave_block_thread(group: ScalerGroup) -> None:
-    here = threading.get_ident()
+def _leave_block_thread(group: ScalerGroup, opener: int) -> None:
+    """The block ``opener`` opened is closed (in whichever thread: a generator's block closed
+    from a worker thread raised a KeyError and its backward went unrecorded, an audit)."""
     with group.block_lock:
-        group.block_threads[here] -= 1
-        if not group.block_threads[here]:
-            del group.block_threads[here]
+        left = group.block_threads.pop(opener, 1) - 1
+        if left > 0:
+            group.block_threads[opener] = left
 
 
 def _close_block(
-    states: list[Any], others: list[Any], before: list[bool]
+    states: list[Any], others: list[Any], before: list[bool], opener: int
 ) -> tuple[bool, list[Any]]:
     """A ``scale_loss`` block ended: whether its backward reached its optimizers, which of the
     others it reached, and each optimizer's "backward since step" flag restored with it."""
     for st in states:
         st.masters.blocks_open -= 1
-    _leave_block_thread(states[0].group)
+    _leave_block_thread(states[0].group, opener)
     reached = any(st.backward_since_step for st in states)
     foreign = [o for o in others if o.backward_since_step]
     for st, seen in zip((*states, *others), before, strict=True):

@@ -792,3 +792,37 @@ def test_blocks_of_one_wrap_call_open_in_two_threads_at_once_are_refused():
     opts[0].step()
     assert distamp.stats(opts[0]).steps == 1
     assert not all(torch.equal(a, b) for a, b in zip(before, models[0].parameters(), strict=True))
+
+
+def test_a_block_closed_in_another_thread_is_recorded_and_counts_nothing_left_open():
+    """A scale_loss block closed in another thread than it opened (a generator-driven train step
+    closed from a worker): its close raised a KeyError, the step took gradients still at the
+    loss scale (an update 65536 times too large), and every later block in another thread was
+    refused (an audit)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, opt = distamp.wrap(
+        *plain(), opt_level="O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0
+    )
+    reference = plain()[0]
+    x = torch.randn(3, 4)
+    block = distamp.scale_loss(model(x).float().sum(), opt)
+    block.__enter__().backward()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(block.__exit__, None, None, None).result()
+    opt.step()
+    reference.zero_grad()
+    reference(x).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9).step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)  # an O1 fp16 step
+    opt.zero_grad()
+
+    def another_step():
+        with distamp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(another_step).result()  # nothing left counted open in the first thread
+    assert distamp.stats(opt).steps == 2

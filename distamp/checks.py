@@ -310,11 +310,12 @@ def check_no_aliased_params(
     """Refuse two distinct parameters overlapping in one storage (``nn.Parameter(a.weight[:2])``)
     where wrap replaces either (``replaced``: cast to the half dtype, or given masters): each
     would then be its own tensor and the model trained as another one, silently (an audit).
-    Disjoint views of one buffer (an RNN's flattened weights, a contiguous parameter buffer) and
-    one parameter under two names (tied by assignment) are fine."""
+    Disjoint views of one buffer (an RNN's flattened weights, a contiguous parameter buffer, a
+    fused weight's columns ``fused.chunk(2, dim=1)``) and one parameter under two names (tied
+    by assignment) are fine."""
     if not replaced:
         return
-    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    by_storage: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
     seen: set[int] = set()
     for model in models:
         for param in model.parameters():
@@ -326,23 +327,38 @@ def check_no_aliased_params(
             extent = sum((int(n) - 1) * abs(int(s)) for n, s in zip(shape, strides, strict=True))
             last = first + (extent + 1) * param.element_size() - 1
             by_storage.setdefault(param.untyped_storage().data_ptr(), []).append(
-                (first, last, id(param))
+                (first, last, id(param), param)
             )
     for spans in by_storage.values():
-        spans.sort()
-        reach, a = spans[0][1], spans[0][2]  # the furthest an earlier span reaches, and whose
-        for first, last, b in spans[1:]:
-            if first <= reach and (a in replaced or b in replaced):
-                raise ValueError(
-                    f"distamp.wrap: parameters {names[a]!r} and {names[b]!r} overlap in one "
-                    f"storage (one is a view of the other's tensor), and {why} gives each its "
-                    "own tensor: they would train as two. Expected parameters that do not "
-                    "overlap, or one parameter under two names (tie by assignment: b.weight = "
-                    "a.weight); an O0/O1 run with replicated masters (shard_master_weights=False)"
-                    " keeps such views as they are"
-                )
-            if last > reach:
-                reach, a = last, b
+        spans.sort(key=lambda span: span[:3])
+        active: list[tuple[int, int, int, torch.Tensor]] = []
+        for span in spans:
+            first, _, b, view = span
+            active = [a for a in active if a[1] >= first]  # the earlier spans reaching this one
+            for _, _, a, other in active:
+                if (a in replaced or b in replaced) and _overlap(other, view):
+                    raise ValueError(
+                        f"distamp.wrap: parameters {names[a]!r} and {names[b]!r} overlap in "
+                        f"one storage (they share elements), and {why} gives each its own "
+                        "tensor: they would train as two. Expected parameters that share no "
+                        "element, or one parameter under two names (tie by assignment: "
+                        "b.weight = a.weight); an O0/O1 run with replicated masters "
+                        "(shard_master_weights=False) keeps such views as they are"
+                    )
+            active.append(span)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage share an element: their byte ranges overlap already;
+    contiguous views then do, strided ones (a fused weight's columns) are marked to tell."""
+    if a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype:
+        return True
+    if a.dtype != b.dtype:
+        return True  # (parameters of two dtypes in one storage: not worth telling apart)
+    size = a.untyped_storage().nbytes() // a.element_size()
+    mask = torch.zeros(size, dtype=torch.bool, device=a.device)
+    mask.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
+    return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset()).any())
 
 
 def check_params_read_from_groups(

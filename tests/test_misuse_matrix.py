@@ -601,6 +601,20 @@ def test_disjoint_views_of_one_buffer_are_not_refused():
     with distamp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
         scaled.backward()
     opt.step()
+    # A fused weight's columns (strided views whose byte ranges interleave): no element shared,
+    # taken (a review: refused as overlapping); columns that do share elements are refused.
+    for cut, refused in (
+        ((slice(0, 8), slice(8, 16)), False),
+        ((slice(0, 10), slice(6, 16)), True),
+    ):
+        fused, model = torch.randn(8, 16), nn.Module()
+        model.q, model.k = (nn.Parameter(fused[:, c]) for c in cut)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if refused:
+            with pytest.raises(ValueError, match=r"'q' and 'k' overlap in one storage"):
+                distamp.wrap(model, opt, opt_level="O2")
+        else:
+            distamp.wrap(model, opt, opt_level="O2")
 
 
 def test_unscale_twice_is_refused_and_loses_nothing():

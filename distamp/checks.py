@@ -355,10 +355,16 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     if a.dtype != b.dtype:
         return True  # (parameters of two dtypes in one storage: not worth telling apart)
-    size = a.untyped_storage().nbytes() // a.element_size()
-    mask = torch.zeros(size, dtype=torch.bool, device=a.device)
-    mask.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
-    return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset()).any())
+
+    def reach(t: torch.Tensor) -> int:  # the last element it holds (strides are positive)
+        return int(t.storage_offset()) + sum(
+            (int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)
+        )
+
+    low = min(int(a.storage_offset()), int(b.storage_offset()))
+    mask = torch.zeros(max(reach(a), reach(b)) - low + 1, dtype=torch.bool, device=a.device)
+    mask.as_strided(a.shape, a.stride(), int(a.storage_offset()) - low).fill_(True)
+    return bool(mask.as_strided(b.shape, b.stride(), int(b.storage_offset()) - low).any())
 
 
 def check_params_read_from_groups(

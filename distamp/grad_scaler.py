@@ -34,6 +34,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
+from .masters.base import bit_hash, local_tensor
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import inner_optimizer, refuse_external_scaler
 from .scaler import MIN_SCALE, LossScaler
@@ -287,12 +288,26 @@ class GradScaler:
         agree = torch.tensor(
             [known[0], -known[0], known[1], -known[1]], dtype=torch.float64, device=device
         )
+        # And the first values of each gradient, hashed: equal on DDP's replicas (its all-reduce
+        # leaves them bit-identical), not on a pipeline's stages of the same shapes, which only
+        # this tells from replicas (a review: each such stage clipped to its own norm)
+        if group is not None:
+            firsts = [
+                local_tensor(g).reshape(-1)[:4]
+                if g.layout == torch.strided
+                else torch.zeros(1, device=g.device)
+                for g in grads
+            ]
+            held = bit_hash(firsts, device).double()
+        else:
+            held = torch.zeros(2, dtype=torch.float64, device=device)
         flags = torch.cat(
             [
                 flag.double(),
                 torch.full_like(flag, float(not grads)).double(),
                 evidence.to(device),
                 agree,
+                held,
                 sizes,  # MAX and -MIN of the order and the parameter counts: equal everywhere?
             ]
         )
@@ -327,7 +342,7 @@ class GradScaler:
             )
         self._per_optimizer[id(optimizer)] = (_Stage.UNSCALED, found_inf)
         same_params = values[-4] == -values[-3] and values[-2] == -values[-1]
-        if not same_params:
+        if not same_params or values[-8] != -values[-7]:  # (other gradients: see `held`)
             self._own_parts.add(id(optimizer))
         report = read_evidence(
             values[2 : 2 + EVIDENCE_SLOTS],

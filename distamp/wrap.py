@@ -1162,22 +1162,23 @@ def clip_grad_norm_(
             held = inner_optimizer(optimizer) or optimizer
             scaler = st.grad_scaler() if st.grad_scaler is not None else None
             skip, own_part = scaler.decision((optimizer, held)) if scaler else (False, False)
+            if skip:  # the step will be skipped: nothing clipped, as on distamp's own path
+                if error_if_nonfinite:
+                    _nonfinite_norm(float("inf"), norm_type)
+                return torch.tensor(float("inf"))
             if own_part:
                 # (an audit: each pipeline stage clipped to its own norm, silently)
                 raise RuntimeError(
                     "clip_grad_norm_: expected the ranks of distamp.GradScaler's decision to "
-                    "hold the same parameters (DDP replicas), found them holding different ones "
-                    "(pipeline stages, model-parallel parts): the norm here would be this "
+                    "hold the same parameters and gradients (DDP replicas), found them holding "
+                    "different ones (pipeline stages, model-parallel parts, or gradients DDP did "
+                    "not reduce): the norm here would be this "
                     "rank's part only. Clip to the global norm yourself: each rank's "
                     "torch.nn.utils.get_total_norm(grads) squared, all-reduced (SUM) over a "
                     "group holding each part once (the pipeline's stages), and the square root "
                     "of the sum to torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)"
                 )
             params = [p for g in held.param_groups for p in g["params"]]
-            if skip:  # the step will be skipped: nothing clipped, as on distamp's own path
-                if error_if_nonfinite:
-                    _nonfinite_norm(float("inf"), norm_type)
-                return torch.tensor(float("inf"))
             return torch.nn.utils.clip_grad_norm_(
                 params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
             )

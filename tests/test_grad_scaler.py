@@ -409,11 +409,11 @@ def _clip_stages_or_a_skipped_step(rank, world, case):
     """distamp.clip_grad_norm_ after scaler.unscale_ on a wrapped O1 optimizer: "stages", each
     rank its own stage wrapped over its own one-rank group (a pipeline's habit), one GradScaler
     over the world; "skip", DDP replicas with an inf on rank 1 only."""
-    torch.manual_seed(0)
-    stage = torch.nn.Linear(4, 4) if case == "skip" or rank == 0 else torch.nn.Linear(4, 2)
+    torch.manual_seed(rank if case == "same stages" else 0)
+    stage = torch.nn.Linear(4, 4) if case != "stages" or rank == 0 else torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     own = torch.distributed.new_group([0]), torch.distributed.new_group([1])
-    group = own[rank] if case == "stages" else None
+    group = own[rank] if "stages" in case else None
     stage, opt = distamp.wrap(stage, opt, opt_level="O1", process_group=group, verbosity=0)
     model = DDP(stage) if case == "skip" else stage
     scaler = distamp.GradScaler()
@@ -436,10 +436,11 @@ def test_clipping_under_grad_scaler_refuses_a_stage_norm_and_returns_inf_for_a_s
     """Audits: each pipeline stage clipped to its own norm (the global one 4.45, each stage's
     3.14: the weights drifted, silently); on a step every rank skips, a rank with finite
     gradients returned their finite norm where distamp's own path returns inf."""
-    for message in run_ranks(_clip_stages_or_a_skipped_step, 2, "stages", timeout=90):
-        assert isinstance(message, str), message
-        assert "found them holding different ones (pipeline stages" in message, message
-        assert "torch.nn.utils.clip_grads_with_norm_" in message
+    for case in ("stages", "same stages"):  # (stages of one shape: told by their gradients)
+        for message in run_ranks(_clip_stages_or_a_skipped_step, 2, case, timeout=90):
+            assert isinstance(message, str), message
+            assert "found them holding different ones (pipeline stages" in message, message
+            assert "torch.nn.utils.clip_grads_with_norm_" in message
     for norm, unchanged, scale in run_ranks(_clip_stages_or_a_skipped_step, 2, "skip"):
         assert norm == float("inf") and unchanged and scale == 32768.0
 

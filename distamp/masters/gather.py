@@ -101,13 +101,13 @@ class WeightGather:
 
     def begin_gather(self, *, after_step: bool) -> None:
         """Wait for the last gather still in flight; the next :meth:`gather_round` calls start a
-        new one (16-bit updates when ``after_step`` and ``update_dtype`` say so)."""
-        with self.gather_lock:  # (a forward in another thread reads them: see gather_round)
-            self.finish_gather()
-            self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
-            self.pending = [[] for _ in self.groups]
-            self.waited = [0] * len(self.groups)
-            self.launching = True
+        new one (16-bit updates when ``after_step`` and ``update_dtype`` say so). The caller
+        holds ``gather_lock`` until :meth:`end_gather` (see :meth:`finish_gather`)."""
+        self.finish_gather()
+        self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
+        self.pending = [[] for _ in self.groups]
+        self.waited = [0] * len(self.groups)
+        self.launching = True
         if not self.pending_updates:
             return
         assert self.update_dtype is not None
@@ -165,14 +165,13 @@ class WeightGather:
                 if self.pending_updates:
                     assert layout.updates is not None and layout.widened is not None
                     # new - old in FP32, then rounded once to update_dtype, through the reused
-                    # FP32 round (no temporary per round). Under the lock: a forward in another
-                    # thread (an evaluation thread running through step()) applies the rounds
-                    # gathered so far through the same FP32 round, and overwrote this one's
-                    # difference: the ranks parted (an audit).
-                    with self.gather_lock:
-                        difference = layout.widened[:length]
-                        torch.sub(shard[pos : pos + length], layout.flat_half[own], out=difference)
-                        send, target = layout.updates[own].copy_(difference), layout.updates
+                    # FP32 round (no temporary per round). Under the lock the caller holds: a
+                    # forward in another thread (an evaluation thread running through step())
+                    # applied the rounds gathered so far through the same FP32 round, and
+                    # overwrote this one's difference: the ranks parted (an audit).
+                    difference = layout.widened[:length]
+                    torch.sub(shard[pos : pos + length], layout.flat_half[own], out=difference)
+                    send, target = layout.updates[own].copy_(difference), layout.updates
                 elif layout.flat_half.dtype != torch.float32:  # half weights: the cast shard
                     send = layout.flat_half[own].copy_(shard[pos : pos + length])
                     target = layout.flat_half

@@ -34,7 +34,7 @@ from .forensics import (
     local_evidence,
     read_evidence,
 )
-from .masters.base import bit_hash, local_tensor
+from .masters.base import bit_hash, grad_samples
 from .masters.nonfinite import check_and_unscale_
 from .masters.optimizer import inner_optimizer, refuse_external_scaler
 from .scaler import MIN_SCALE, LossScaler
@@ -292,13 +292,8 @@ class GradScaler:
         # leaves them bit-identical), not on a pipeline's stages of the same shapes, which only
         # this tells from replicas (a review: each such stage clipped to its own norm)
         if group is not None:
-            firsts = [
-                local_tensor(g).reshape(-1)[:4]
-                if g.layout == torch.strided
-                else torch.zeros(1, device=g.device)
-                for g in grads
-            ]
-            held = bit_hash(firsts, device).double()
+            params = [p for group_ in optimizer.param_groups for p in group_["params"]]
+            held = bit_hash(grad_samples(params), device).double()
         else:
             held = torch.zeros(2, dtype=torch.float64, device=device)
         flags = torch.cat(

@@ -460,10 +460,10 @@ class ScalerGroup:
         see :meth:`after_skip`); a step taken resets it."""
         self.last_nonfinite: NonFiniteReport | None = None
         self.found_inf_collectives = 0
+        """All-reduces issued for the skip decision (at most one per optimizer step)."""
         self.block_threads: dict[int, int] = {}
         """Thread ident -> scale_loss blocks open there (see wrap.py's _enter_block_thread)."""
         self.block_lock = threading.Lock()
-        """All-reduces issued for the skip decision (at most one per optimizer step)."""
         self.models: list[weakref.ref[nn.Module]] = []
         """The models of the wrap call (weak: to explain misuse in error messages, and to read
         DDP's ignore list, see :meth:`ddp_ignored`)."""

@@ -360,7 +360,7 @@ def grad_samples(params: list[nn.Parameter]) -> list[torch.Tensor]:
         if g is None or g.layout != torch.strided:
             out.append(torch.zeros(min(4, p.numel()), device=p.device))
         else:
-            out.append(g.reshape(-1)[:4])
+            out.append(local_tensor(g).reshape(-1)[:4])  # (a DTensor's: its own shard's)
     return out
 
 

@@ -21,8 +21,10 @@ Loaded values (checkpoints, ``load_state_dict``) are always gathered exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,11 +79,18 @@ class WeightGather:
         loaded state) gathers the exact values. The step in rounds (rounds.py) makes the
         same calls, one round at a time between the rounds it steps.
         """
-        with self.gather_lock:  # see finish_gather
+        with self.gathering(after_step=after_step):
+            for j in range(self.gather_rounds()):
+                self.gather_round(j)
+
+    @contextlib.contextmanager
+    def gathering(self, *, after_step: bool) -> Iterator[None]:
+        """:meth:`begin_gather`, the body's :meth:`gather_round` calls, then :meth:`end_gather`
+        (not after an exception), under ``gather_lock`` throughout (see :meth:`finish_gather`)."""
+        with self.gather_lock:
             self.begin_gather(after_step=after_step)
             try:
-                for j in range(self.gather_rounds()):
-                    self.gather_round(j)
+                yield
             finally:
                 self.launching = False
             self.end_gather(after_step=after_step)
@@ -101,8 +110,8 @@ class WeightGather:
 
     def begin_gather(self, *, after_step: bool) -> None:
         """Wait for the last gather still in flight; the next :meth:`gather_round` calls start a
-        new one (16-bit updates when ``after_step`` and ``update_dtype`` say so). The caller
-        holds ``gather_lock`` until :meth:`end_gather` (see :meth:`finish_gather`)."""
+        new one (16-bit updates when ``after_step`` and ``update_dtype`` say so). Called by
+        :meth:`gathering`, which holds ``gather_lock`` until :meth:`end_gather`."""
         self.finish_gather()
         self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
         self.pending = [[] for _ in self.groups]

@@ -135,8 +135,7 @@ def step_in_rounds(
 
     def in_rounds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         started()  # the pre-hooks passed
-        with masters.gather_lock:  # (see WeightGather.finish_gather)
-            masters.begin_gather(after_step=True)
+        with masters.gathering(after_step=True):
             try:
                 for j in range(n):
                     for group, params in zip(groups, per_round[j], strict=True):
@@ -144,9 +143,7 @@ def step_in_rounds(
                     step(*args, **kwargs)
                     masters.gather_round(j)
             finally:
-                masters.launching = False
                 for group, params in zip(groups, full, strict=True):
                     group["params"] = params
-            masters.end_gather(after_step=True)
 
     with_step_hooks(optimizer, in_rounds)

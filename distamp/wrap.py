@@ -247,7 +247,9 @@ def wrap(
             for n, _ in model._distamp_dtype_probes
             if n in named and id(named[n]) in held
         ]
-    _register_state_hooks(model_list, plan, scalers, cast_names, cast_ids)
+    _register_state_hooks(
+        model_list, plan, scalers, cast_names, cast_ids, sharded=props.shard_master_weights
+    )
     for index, (opt, master) in enumerate(zip(opt_list, masters, strict=True)):
         state = AmpOptimizerState(scalers, index, master)
         _make_amp_optimizer(opt, state)
@@ -595,6 +597,13 @@ class _HalfAsFP32StateDict:
     (apex's O2 state-dict hook), so ``torch.save(model.state_dict())`` is a checkpoint a plain
     FP32 model loads. ``keep_vars=True`` (the live tensors themselves) is left alone.
 
+    With sharded masters (``unshare``) the weights are views of one flat buffer per param group
+    (the gather's target); each is reported as its own copy, as O2's widened ones are. Views of
+    one storage are what savers take for tied weights: accelerate's ``save_state``/``save_model``
+    (safetensors) kept one of an O1 model's 41 weights with only a log line, and its
+    ``load_state`` then failed in safetensors (an audit); ``torch.save`` of one weight wrote the
+    whole buffer.
+
     The cast tensors are known by their names in each module, taken before the cast: casting a
     buffer replaces it by a new tensor (BatchNorm's running stats under O3), so ids would miss it.
 
@@ -607,18 +616,21 @@ class _HalfAsFP32StateDict:
     moves (in the half dtype; an FP32 EMA is built before wrap, see the README).
     """
 
-    def __init__(self, names: frozenset[str], copies: _WidenedCopies) -> None:
+    def __init__(self, names: frozenset[str], copies: _WidenedCopies, *, unshare: bool) -> None:
         self.names = names
         """This module's cast tensors."""
         self.copies = copies
         """Shared by every module of one wrap: tied tensors widen to one FP32 copy."""
+        self.unshare = unshare
+        """Copy parameters that are views of a larger buffer (sharded masters' flat layout)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """A deep or pickled copy widens nothing: see [Note: a copy's state dict is live]."""
-        return {"names": frozenset()}
+        return {"names": frozenset(), "unshare": False}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.names = state["names"]
+        self.unshare = state.get("unshare", False)
         self.copies = _WidenedCopies()
 
     def __call__(
@@ -632,11 +644,24 @@ class _HalfAsFP32StateDict:
                 and value is not live
                 and value.dtype in (torch.float16, torch.bfloat16)
             ):
-                state_dict[prefix + name] = self.copies.widen(state_dict, value)
+                state_dict[prefix + name] = self.copies.widen(state_dict, value, torch.float32)
+        if not self.unshare:
+            return
+        for name, live in module._parameters.items():
+            value = state_dict.get(prefix + name)
+            if (
+                isinstance(value, torch.Tensor)
+                and live is not None
+                and value is not live
+                and value.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+                and value.untyped_storage().nbytes() > value.numel() * value.element_size()
+            ):
+                state_dict[prefix + name] = self.copies.widen(state_dict, value, value.dtype)
 
 
 class _WidenedCopies:
-    """The FP32 copies one ``state_dict()`` call made, by the half storage they widen.
+    """The copies one ``state_dict()`` call made (FP32 ones of half tensors, and of views of a
+    sharded layout's flat buffer), by the storage they copy.
 
     Tied tensors (an embedding and its ``lm_head``, T5's four aliases of ``shared``) are one
     tensor in torch's state dict, which ``torch.save`` writes once and ``save_pretrained`` knows
@@ -650,25 +675,29 @@ class _WidenedCopies:
         self.dest: weakref.ref[Any] | None = None
         self.copies: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def widen(self, state_dict: dict[str, Any], value: torch.Tensor) -> torch.Tensor:
+    def widen(
+        self, state_dict: dict[str, Any], value: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``value`` as a new tensor of ``dtype`` (one per storage, shape and version)."""
         if self.dest is None or self.dest() is not state_dict:
             self.copies = {}
             try:
                 self.dest = weakref.ref(state_dict, self._forget)
             except TypeError:  # a plain dict: no weak reference, so no sharing
                 self.dest = None
-                return value.to(torch.float32)
+                return value.to(dtype, copy=True)
         key = (
             value.untyped_storage().data_ptr(),
             value.storage_offset(),
             tuple(value.shape),
             value.stride(),
             value.dtype,
+            dtype,
             value._version,  # a destination passed twice, with a step between: a new copy
         )
         copy = self.copies.get(key)
         if copy is None:
-            copy = self.copies[key] = value.to(torch.float32)
+            copy = self.copies[key] = value.to(dtype, copy=True)
         return copy
 
     def _forget(self, ref: weakref.ref[Any]) -> None:
@@ -709,15 +738,19 @@ def _register_state_hooks(
     scalers: ScalerGroup,
     cast_names: dict[int, frozenset[str]],
     master_ids: frozenset[int],
+    *,
+    sharded: bool,
 ) -> None:
     load = _LoadIntoMasters(scalers, master_ids) if master_ids else None
     copies = _WidenedCopies()
     for model in models:
         for module in model.modules():
-            if plan.half_dtype is not None and id(module) in cast_names:
-                hook = _HalfAsFP32StateDict(cast_names[id(module)], copies)
-                module.register_state_dict_post_hook(hook)
             own_params = [t for t in module._parameters.values() if t is not None]
+            names = cast_names.get(id(module), frozenset()) if plan.half_dtype else frozenset()
+            # Every module with parameters when sharded: a param group added later is laid out too.
+            if names or (sharded and own_params):
+                hook = _HalfAsFP32StateDict(names, copies, unshare=sharded)
+                module.register_state_dict_post_hook(hook)
             if load is not None and any(id(t) in master_ids for t in own_params):
                 module.register_load_state_dict_pre_hook(load)
 

@@ -9,6 +9,8 @@ on an inf on one rank only, and through checkpoints at other world sizes.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -666,3 +668,53 @@ def test_the_hook_waits_for_updates_a_forward_did_not_wait_for_before_reusing_th
             # every bucket of the last backward received into the staging buffer, none elsewhere
             assert r[overlap]["received into staging"] == r[overlap]["elements reduced"] > 0
             assert r[overlap]["staging bytes"] == 2 * r[overlap]["layout elements"]
+
+
+def _state_dict_storage(rank: int, world: int) -> dict:
+    """``model.state_dict()`` after a step, as savers that drop tensors sharing storage see it."""
+    out = {}
+    for level in ("O1", "O2"):
+        model, opt = _make(level, True)
+        ddp = DDP(model, find_unused_parameters=True)
+        x, y = _batch(rank, 0)
+        _backward(ddp, opt, x, y)
+        opt.step()
+        opt.zero_grad()
+        sd = model.state_dict()
+        live = dict(model.named_parameters(remove_duplicate=False))
+        ema = copy.deepcopy(model)
+        ema_sd = ema.state_dict()
+        ema_sd["blocks.0.1.weight"].add_(1.0)  # timm's ModelEmaV2 writes ema.state_dict() in place
+        out[level] = {
+            # Distinct storages, each no larger than its tensor (accelerate/safetensors keep one
+            # of the tensors that share a storage and drop the rest).
+            "storages": len({v.untyped_storage().data_ptr() for v in sd.values()}),
+            "distinct": len({id(v) for v in sd.values()}),
+            "oversized": sorted(
+                k
+                for k, v in sd.items()
+                if v.untyped_storage().nbytes() > v.numel() * v.element_size()
+            ),
+            "tied": sd["emb.weight"] is sd["head.weight"],
+            "diff": max((sd[k] - live[k].float()).abs().max().item() for k in live),
+            "dtypes": {v.dtype for v in sd.values()},
+            "keep_vars": all(model.state_dict(keep_vars=True)[k] is p for k, p in live.items()),
+            "ema_live": (ema.blocks[0][1].weight.float() - model.blocks[0][1].weight.float())
+            .min()
+            .item(),
+        }
+    return out
+
+
+def test_state_dict_tensors_are_their_own_copies_with_ties_kept():
+    """Sharded weights are views of one flat buffer; ``state_dict()`` reports each as its own
+    copy (an audit: accelerate's ``save_state`` kept 1 of an O1 BERT's 41 weights), the tied
+    embedding and head as one tensor, ``keep_vars=True`` the parameters themselves, and a deep
+    copy (an EMA) its live tensors."""
+    for r in run_ranks(_state_dict_storage, 2):
+        for level, got in r.items():
+            assert got["oversized"] == [], level
+            assert got["storages"] == got["distinct"], level
+            assert got["tied"] and got["diff"] == 0.0 and got["keep_vars"], level
+            assert got["dtypes"] == {torch.float32}, level
+            assert got["ema_live"] == pytest.approx(1.0, abs=1e-2), level

@@ -853,6 +853,12 @@ def test_loading_a_killed_saves_temporary_folder_says_so(tmp_path, stopped):
     with pytest.raises(CheckpointError, match=pattern):
         distamp.load_checkpoint(temporary, fresh, fresh_opt)
     assert distamp.load_checkpoint(tmp_path / "c", fresh, fresh_opt) == {"step": 2}
+    # The first save to a path, killed before its rename: loading the path names the folder.
+    shutil.move(temporary, tmp_path / "d.incomplete-host-7-123")
+    with pytest.raises(
+        CheckpointError, match=r"no such checkpoint directory; .*d\.incomplete-host-7-123 is the"
+    ):
+        distamp.load_checkpoint(tmp_path / "d", fresh, fresh_opt)
 
 
 def test_latest_checkpoint_orders_by_step_and_skips_incomplete(tmp_path):

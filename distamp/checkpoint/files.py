@@ -194,6 +194,18 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             if directory.exists()
             else "no such checkpoint directory"
         )
+        parent = directory.parent
+        unfinished = (
+            sorted(p.name for p in parent.glob(glob.escape(directory.name) + INCOMPLETE + "*"))
+            if parent.is_dir() and not directory.exists()
+            else []
+        )
+        if unfinished:  # a save to it was killed before its rename (an audit: not said)
+            what += (
+                f"; {parent / unfinished[0]} is the temporary folder of a save to it that did "
+                "not finish: load the previous checkpoint (distamp.latest_checkpoint(folder) "
+                "picks the newest committed one)"
+            )
         raise CheckpointError(f"{directory}: {what}")
     commit = directory / COMMIT
     if is_temporary(directory.name):

@@ -435,11 +435,11 @@ def test_lightnings_gradient_clip_val_over_masters_is_warned_once():
     class Trainer:
         gradient_clip_val = 0.5
 
-    def messages(module_class, opt_level):
+    def messages(module_class, opt_level, **kwargs):
         module = module_class()
         module.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
         opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        module.net, opt = distamp.wrap(module.net, opt, opt_level=opt_level, verbosity=0)
+        module.net, opt = distamp.wrap(module.net, opt, opt_level=opt_level, verbosity=0, **kwargs)
         module._trainer = Trainer()
 
         def closure():
@@ -459,3 +459,9 @@ def test_lightnings_gradient_clip_val_over_masters_is_warned_once():
     assert "the FP32 norm layers only" in message and "configure_gradient_clipping" in message
     assert messages(Clipping, "O2") == []
     assert messages(LightningModule, "O1") == []  # the optimizer steps the model's parameters
+    # Sharded: O2's FP32 norm layers are still the model's own (clipped), O1's weights none (an
+    # audit: O2 sharded was told "nothing").
+    (message,) = messages(LightningModule, "O2", shard_master_weights=True)
+    assert "the FP32 norm layers only" in message, message
+    (message,) = messages(LightningModule, "O1", shard_master_weights=True)
+    assert "clip nothing (sharded FP32 weights)" in message, message

@@ -261,6 +261,14 @@ def _rank0_saves_optimizer(rank, world, path, shard):
         scaled.backward()
     optimizer.step()
     optimizer.zero_grad()
+
+    class AcceleratedOptimizer:  # accelerate's, duck-typed: prepare() after a load_checkpoint
+        def __init__(self, optimizer):
+            optimizer.load_state_dict(optimizer.state_dict())  # its device placement
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is saved: no warning (an audit: it warned)
+        AcceleratedOptimizer(optimizer)
     warned = []
     if rank == 0:
         with warnings.catch_warnings(record=True) as caught:

@@ -601,7 +601,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         # Not before the first step: accelerate's prepare() round-trips the state dict then, and
         # used up the one-shot warning the real save (rank 0's, later) should give (an audit).
         trained = st.steps > 0 or st.skipped_steps > 0
-        if by_wrap and trained and shard is not None and shard["world_size"] > 1:
+        if (
+            by_wrap
+            and trained
+            and shard is not None
+            and shard["world_size"] > 1
+            and not _read_by_accelerate_prepare(sys._getframe(1))
+        ):
             _warn_state_dict_is_a_shard(st, shard)
         out = super().state_dict()
         out["distamp"] = {
@@ -684,10 +690,12 @@ def _warn_lightning_clip_over_masters(closure: Any, st: AmpOptimizerState) -> No
     if owner is None or owner.__name__ != "LightningModule":
         return  # overridden: the user clips
     st.warned_lightning_clip = True
+    # O2's FP32 norm layers are stepped as they are, sharded or not (an audit: "nothing" at O2).
+    fp32_sharded = st.masters.sharded and not st.group.props.master_weights
     _warn(
         f"Lightning's gradient_clip_val={clip} clips optimizer.param_groups inside the step's "
         "closure, before step() gives the FP32 masters their gradients: it would clip "
-        f"{'nothing (sharded FP32 weights)' if st.masters.sharded else 'the FP32 norm layers only'}"
+        f"{'nothing (sharded FP32 weights)' if fp32_sharded else 'the FP32 norm layers only'}"
         ". Expected configure_gradient_clipping overridden in the LightningModule with "
         "torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val) (README, 'Inside "
         "Lightning'), and gradient_clip_val kept for it"
@@ -714,6 +722,21 @@ def _read_by_torch_scaler_step(frame: Any, depth: int = 4) -> bool:
             and isinstance(scaler, torch.amp.GradScaler)
             and getattr(scaler, "_enabled", True)
         ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _read_by_accelerate_prepare(frame: Any, depth: int = 3) -> bool:
+    """Whether ``frame`` or one just above it is accelerate's ``AcceleratedOptimizer.__init__``
+    (read duck-typed), which round-trips this rank's state dict into its own optimizer: after a
+    ``distamp.load_checkpoint`` before ``prepare`` that warned a rank-0 save could not be
+    resumed, with nothing saved (an audit)."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__init__" and type(owner).__name__ == "AcceleratedOptimizer":
             return True
         frame = frame.f_back
     return False

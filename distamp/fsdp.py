@@ -351,11 +351,19 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
         if not in_lists:
             _warn_blocks_in_a_sequential(model)
     elif callable(blocks) and not isinstance(blocks, (list, tuple)):
-        chosen = blocks
+        predicate = blocks  # a container it picks is passed over, as FSDP1's size policy does
+        chosen = lambda m: not _container(m) and bool(predicate(m))  # noqa: E731
     else:
         classes = tuple(b for b in blocks if isinstance(b, type))
         ids = {id(b) for b in blocks if isinstance(b, nn.Module)}
-        chosen = lambda m: isinstance(m, classes) or id(m) in ids  # noqa: E731
+        # A container named (blocks=[nn.ModuleList], a ModuleDict) stands for its children.
+        ids |= {
+            id(child)
+            for m in model.modules()
+            if _container(m) and (isinstance(m, classes) or id(m) in ids)
+            for child in m.children()
+        }
+        chosen = lambda m: not _container(m) and (isinstance(m, classes) or id(m) in ids)  # noqa: E731
     out = [m for m in _post_order(model) if m is not model and chosen(m)]
     if blocks is not None and not out and (callable(blocks) or len(blocks) > 0):
         # A spec selecting nothing (a class imported from another model's file, a predicate
@@ -372,6 +380,15 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
             "blocks=() keeps the model one unit, unwarned"
         )
     return out
+
+
+def _container(module: nn.Module) -> bool:
+    """An ``nn.ModuleList``/``nn.ModuleDict`` without a forward of its own, which FSDP2's
+    ``fully_shard`` refuses ("containers that do not implement forward")."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    )
 
 
 def _check_blocks(blocks: object) -> BlockSpec:

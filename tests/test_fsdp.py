@@ -1342,3 +1342,45 @@ def test_blocks_takes_a_class_classes_or_modules_and_refuses_the_rest_before_cha
     ):
         message, untouched = run_ranks(_units_for, 2, how)[0]
         assert expected in message and untouched, (how, message)
+
+
+class _Listed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _units_in_a_list(rank, world, how):
+    torch.manual_seed(0)
+    model = _Listed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    blocks = {
+        # FSDP1's size-policy habit, recursing through the ModuleList that holds the blocks
+        "predicate": lambda m: (
+            len(list(m.children())) > 0 and sum(p.numel() for p in m.parameters()) >= 72
+        ),
+        "container class": [nn.ModuleList],
+    }[how]
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O0", blocks=blocks, verbosity=0)
+    loss = model(torch.randn(4, 8)).sum()
+    with distamp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    units = sorted(n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state"))
+    return units
+
+
+def test_a_container_blocks_selects_stands_for_its_children_or_is_passed_over():
+    """A predicate true for the nn.ModuleList holding the blocks (FSDP1's size policy habit) or
+    blocks=[nn.ModuleList] failed inside torch ("containers that do not implement forward")
+    after the first blocks were sharded and the model cast (an audit): a predicate passes
+    containers over (as FSDP1's size policy does), a class or module names its children."""
+    for how in ("predicate", "container class"):
+        units = run_ranks(_units_in_a_list, 2, how)[0]
+        assert units == ["", "layers.0", "layers.1", "layers.2"], (how, units)

@@ -356,13 +356,15 @@ def _blocks(model: nn.Module, blocks: BlockSpec) -> list[nn.Module]:
     else:
         classes = tuple(b for b in blocks if isinstance(b, type))
         ids = {id(b) for b in blocks if isinstance(b, nn.Module)}
-        # A container named (blocks=[nn.ModuleList], a ModuleDict) stands for its children.
-        ids |= {
-            id(child)
-            for m in model.modules()
-            if _container(m) and (isinstance(m, classes) or id(m) in ids)
-            for child in m.children()
-        }
+        # A container named (blocks=[nn.ModuleList], a ModuleDict) stands for its children,
+        # down to the first that are not containers (a review: a nested list gave no units).
+        named = [
+            m for m in model.modules() if _container(m) and (isinstance(m, classes) or id(m) in ids)
+        ]
+        while named:
+            children = [c for m in named for c in m.children()]
+            ids |= {id(c) for c in children}
+            named = [c for c in children if _container(c)]
         chosen = lambda m: not _container(m) and (isinstance(m, classes) or id(m) in ids)  # noqa: E731
     out = [m for m in _post_order(model) if m is not model and chosen(m)]
     if blocks is not None and not out and (callable(blocks) or len(blocks) > 0):

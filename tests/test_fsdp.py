@@ -1345,20 +1345,24 @@ def test_blocks_takes_a_class_classes_or_modules_and_refuses_the_rest_before_cha
 
 
 class _Listed(nn.Module):
-    def __init__(self):
+    def __init__(self, nested=False):
         super().__init__()
-        self.layers = nn.ModuleList(_Block() for _ in range(3))
+        if nested:  # [Block, [Block, Block]]
+            self.layers = nn.ModuleList([_Block(), nn.ModuleList([_Block(), _Block()])])
+        else:
+            self.layers = nn.ModuleList(_Block() for _ in range(3))
         self.head = nn.Linear(8, 1)
 
     def forward(self, x):
         for layer in self.layers:
-            x = layer(x)
+            for block in layer if isinstance(layer, nn.ModuleList) else [layer]:
+                x = block(x)
         return self.head(x)
 
 
 def _units_in_a_list(rank, world, how):
     torch.manual_seed(0)
-    model = _Listed()
+    model = _Listed(nested=how.startswith("nested"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     blocks = {
         # FSDP1's size-policy habit, recursing through the ModuleList that holds the blocks
@@ -1366,6 +1370,8 @@ def _units_in_a_list(rank, world, how):
             len(list(m.children())) > 0 and sum(p.numel() for p in m.parameters()) >= 72
         ),
         "container class": [nn.ModuleList],
+        "nested container object": [model.layers],
+        "nested container class": [nn.ModuleList],
     }[how]
     model, opt = distamp.fsdp.fully_shard(model, opt, opt_level="O0", blocks=blocks, verbosity=0)
     loss = model(torch.randn(4, 8)).sum()
@@ -1384,3 +1390,6 @@ def test_a_container_blocks_selects_stands_for_its_children_or_is_passed_over():
     for how in ("predicate", "container class"):
         units = run_ranks(_units_in_a_list, 2, how)[0]
         assert units == ["", "layers.0", "layers.1", "layers.2"], (how, units)
+    for how in ("nested container object", "nested container class"):
+        units = run_ranks(_units_in_a_list, 2, how)[0]
+        assert units == ["", "layers.0", "layers.1.0", "layers.1.1"], (how, units)

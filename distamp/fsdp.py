@@ -515,6 +515,19 @@ def _group_of_mesh(mesh: Any, process_group: dist.ProcessGroup | None, api: str)
             f"distamp.fsdp.fully_shard: mesh is for api='fsdp2', found api={api!r}; expected "
             "process_group=... for FullyShardedDataParallel"
         )
+    # torch checks these inside fully_shard, after the model was cast and its classes swapped:
+    # a retry with the right mesh then failed on the half-converted model (an audit).
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"distamp.fsdp.fully_shard: mesh: expected a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, "
+            f"found {mesh.ndim}-D shape {tuple(mesh.mesh.shape)}"
+        )
+    if mesh.ndim == 2 and not mesh.mesh_dim_names:
+        raise ValueError(
+            f"distamp.fsdp.fully_shard: mesh: expected a 2-D (HSDP) mesh with its dimensions "
+            f"named, found shape {tuple(mesh.mesh.shape)} without mesh_dim_names: "
+            'init_device_mesh(..., mesh_dim_names=("replicate", "shard"))'
+        )
     mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     group_ranks = sorted(dist.get_process_group_ranks(group))
     if mesh_ranks == group_ranks:
@@ -642,7 +655,7 @@ def fully_shard(
 
     if enabled:
         _warn_about_eps([optimizer], props, "distamp.fsdp.fully_shard")
-    if on_meta and device_type == "cpu":
+    if on_meta and device_type == "cpu" and api == "fsdp2":  # (FSDP1 holds no DTensors)
         warnings.warn(
             "distamp.fsdp.fully_shard: a model on the meta device, sharded over CPU ranks: "
             "torch's DTensor random ops have no distributed RNG on CPU, so a random "

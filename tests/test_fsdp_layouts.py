@@ -439,3 +439,32 @@ def test_a_mesh_decides_over_its_own_ranks_and_one_unlike_the_group_is_refused()
     assert [r[1] for r in results] == [[False, False]] * 2 + [[False, True]] * 2
     assert results[0][2] == results[1][2] and results[2][2] == results[3][2]
     assert results[2][2][0] == results[0][2][0] / 2
+
+
+def _unnamed_hsdp_mesh(rank, world, level):
+    """torch's own HSDP habit gone wrong: a 2-D mesh without mesh_dim_names, then the retry."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="without mesh_dim_names") as refused:
+        distamp.fsdp.fully_shard(model, opt, opt_level=level, mesh=init_device_mesh("cpu", (2, 2)))
+    untouched = [type(m) for m in model.modules()] == classes and all(
+        p.dtype == torch.float32 and type(p) is nn.Parameter for p in model.parameters()
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, opt = distamp.fsdp.fully_shard(model, opt, opt_level=level, mesh=mesh, verbosity=0)
+    with distamp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return str(refused.value), untouched
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_a_2d_mesh_without_dim_names_is_refused_before_anything_changes(level):
+    """torch refused it inside fully_shard, after distamp had cast the model and swapped its
+    classes: the retry with a named mesh then failed on the half-converted model (an audit)."""
+    for message, untouched in run_ranks(_unnamed_hsdp_mesh, 4, level, timeout=180):
+        assert 'mesh_dim_names=("replicate", "shard")' in message and untouched, message

@@ -5,7 +5,9 @@
 #   node0$ bash launch/multinode.sh --nnodes 2 --node-rank 0 --master node0 -- --size small
 #   node1$ bash launch/multinode.sh --nnodes 2 --node-rank 1 --master node0 -- --size small
 # Elastic (torchrun's c10d rendezvous: nodes join in any order, failed workers are restarted and
-# resume from the newest checkpoint; --nnodes 2:4 starts with 2 to 4 nodes):
+# resume from the newest checkpoint; --nnodes 2:4 starts with 2 to 4 nodes; any node but --master
+# may fail: the rendezvous store lives in the master node's agent, and without it the job ends on
+# every node — launch them all again to resume):
 #   every node$ bash launch/multinode.sh --nnodes 2 --rdzv-id job42 --master node0 -- --size small
 #
 # Options (environment variable in brackets):

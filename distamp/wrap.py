@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import operator
 import threading
@@ -672,18 +671,14 @@ class _WidenedCopies:
     weakly referenced); a plain ``dict`` destination gets a copy per alias, as before.
     """
 
-    def __init__(self, generation: Callable[[], tuple[int, ...]] = tuple) -> None:
+    def __init__(self) -> None:
         self.dest: weakref.ref[Any] | None = None
         self.copies: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.generation = generation
-        """Counts the sharded masters' gathers: they write the weights through their flat
-        buffers, which leaves the parameters' ``_version`` as it was (a review: a destination
-        passed again after a step got the last step's copies back)."""
 
     def widen(
         self, state_dict: dict[str, Any], value: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``value`` as a new tensor of ``dtype`` (one per storage, shape and version)."""
+        """``value`` as a tensor of ``dtype`` of its own (one per storage and shape)."""
         if self.dest is None or self.dest() is not state_dict:
             self.copies = {}
             try:
@@ -698,12 +693,16 @@ class _WidenedCopies:
             value.stride(),
             value.dtype,
             dtype,
-            value._version,  # a destination passed twice, with a step between: a new copy
-            self.generation(),
         )
         copy = self.copies.get(key)
         if copy is None:
             copy = self.copies[key] = value.to(dtype, copy=True)
+        else:
+            # Refreshed: a destination passed again holds the copy from its last call, and since
+            # then a step, a .data write or the user's own edit of the copy may have changed
+            # either side, which no version counter sees (a review: stale weights handed back).
+            with torch.no_grad():
+                copy.copy_(value)
         return copy
 
     def _forget(self, ref: weakref.ref[Any]) -> None:
@@ -748,7 +747,7 @@ def _register_state_hooks(
     sharded: bool,
 ) -> None:
     load = _LoadIntoMasters(scalers, master_ids) if master_ids else None
-    copies = _WidenedCopies(functools.partial(_gathers_begun, weakref.ref(scalers)))
+    copies = _WidenedCopies()
     for model in models:
         for module in model.modules():
             own_params = [t for t in module._parameters.values() if t is not None]
@@ -759,12 +758,6 @@ def _register_state_hooks(
                 module.register_state_dict_post_hook(hook)
             if load is not None and any(id(t) in master_ids for t in own_params):
                 module.register_load_state_dict_pre_hook(load)
-
-
-def _gathers_begun(scalers: Callable[[], ScalerGroup | None]) -> tuple[int, ...]:
-    """Each optimizer's count of sharded-master gathers (see ``_WidenedCopies.generation``)."""
-    group = scalers()
-    return tuple(getattr(o.masters, "gathers_begun", 0) for o in group.optimizers) if group else ()
 
 
 def _make_amp_optimizer(opt: torch.optim.Optimizer, state: AmpOptimizerState) -> None:

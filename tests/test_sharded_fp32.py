@@ -685,6 +685,10 @@ def _state_dict_storage(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         model.state_dict(destination=reused)  # a destination passed again after the next step
+        reused["blocks.0.1.weight"].zero_()  # the user's own edit of a copy (pruning) ...
+        with torch.no_grad():
+            model.blocks[1][1].weight.data.mul_(0.5)  # ... and a .data write (no _version move)
+        model.state_dict(destination=reused)  # ... then asked again, no step between
         sd = model.state_dict()
         live = dict(model.named_parameters(remove_duplicate=False))
         ema = copy.deepcopy(model)

@@ -62,7 +62,6 @@ class WeightGather:
     launching: bool
     staging: torch.Tensor | None
     gather_lock: threading.RLock
-    gathers_begun: int
 
     if TYPE_CHECKING:  # defined by the class this is mixed into
 
@@ -114,7 +113,6 @@ class WeightGather:
         new one (16-bit updates when ``after_step`` and ``update_dtype`` say so). Called by
         :meth:`gathering`, which holds ``gather_lock`` until :meth:`end_gather`."""
         self.finish_gather()
-        self.gathers_begun += 1
         self.pending_updates = after_step and self.update_dtype is not None and self.world > 1
         self.pending = [[] for _ in self.groups]
         self.waited = [0] * len(self.groups)

@@ -135,8 +135,6 @@ class ShardedMasterParams(WeightGather, ModelGrads):
         ``WeightGather.wait_rounds``), and none finishes a gather still being started."""
         self.launching = False
         """Between ``begin_gather`` and ``end_gather``: see ``WeightGather.finish_gather``."""
-        self.gathers_begun = 0
-        """Gathers started: they write the weights without moving their ``_version``."""
         self.staging: torch.Tensor | None = None
         """Bytes shared by the 16-bit updates and the reduce-scatter hook: see [Note: one staging
         buffer for the two halves]."""

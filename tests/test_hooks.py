@@ -251,6 +251,12 @@ def _refusals(rank, world):
         distamp.hooks.register(ddp, opt)
     except RuntimeError as err:
         messages.append(str(err))
+    builtin = DDP(model)  # torch's built-in hook leaves _comm_hooks empty (an audit)
+    builtin._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+    try:
+        distamp.hooks.register(builtin, opt)
+    except RuntimeError as err:
+        messages.append(str(err))
     half = mlp()
     half, half_opt = distamp.wrap(half, torch.optim.SGD(half.parameters(), lr=0.1), opt_level="O2")
     delayed = DDP(  # torch's FP32 delay buffer cannot hold a bf16 weight's gradient (an audit)
@@ -271,7 +277,8 @@ def test_register_refuses_non_ddp_another_models_ddp_and_twice_and_probes_dtypes
         assert "expected a DistributedDataParallel model, got Sequential" in messages[0]
         assert "holding none of the optimizer's 6 parameters" in messages[1], messages[1]
         assert "already has a comm hook" in messages[2]
-        assert "found half parameters: 3.weight (torch.bfloat16)" in messages[3], messages[3]
+        assert "already has a comm hook" in messages[3], messages[3]
+        assert "found half parameters: 3.weight (torch.bfloat16)" in messages[4], messages[4]
         assert (fp8_ok, bf16_ok) == (False, True)
 
 

@@ -80,7 +80,7 @@ def register(
             "returns it, Hugging Face's Trainer holds it as trainer.model_wrapped once training "
             "begins)"
         )
-    if getattr(ddp_model, "_comm_hooks", None):
+    if getattr(ddp_model, "_comm_hooks", None) or _builtin_comm_hook(ddp_model):
         raise RuntimeError(
             "distamp.hooks.register: this DistributedDataParallel model already has a comm hook "
             "(DDP allows one); register once, right after constructing DDP — with two "
@@ -322,3 +322,14 @@ def _can_reduce(dtype: torch.dtype, group: dist.ProcessGroup | None) -> bool:
     verdict = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     return int(verdict.item()) == 0
+
+
+def _builtin_comm_hook(ddp_model: nn.parallel.DistributedDataParallel) -> str | None:
+    """The built-in hook torch's ``_register_builtin_comm_hook`` registered, which leaves
+    ``_comm_hooks`` empty (an audit: torch's bare "can only be called once" came after distamp's
+    state had changed); read from DDP's logging data (private: None where it is not there)."""
+    try:
+        hook = ddp_model.logger._get_ddp_logging_data().strs_map.get("comm_hook")  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+    return str(hook) if hook else None

@@ -442,6 +442,9 @@ class ScalerGroup:
             for _ in range(props.num_losses)
         ]
         self.optimizers: list[AmpOptimizerState] = []
+        self.frozen_when_built: set[int] = set()
+        """ids of the parameters frozen when DDP was built (at wrap, then at hooks.register):
+        DDP's reducer never reduces them, even once they train (see _refuse_parted_replicas)."""
         self._open: list[Backward] = []
         """Blocks whose loss scaler has not been updated yet."""
         self.warned_extra_keys: set[tuple[Any, ...]] = set()
@@ -1298,7 +1301,25 @@ class ScalerGroup:
             # parted gradient named above is another bucket's (an audit hunted a wrap-order bug).
             no_grad = [p for p in st.masters.model_params if p.grad is None]
             missing = [self.param_names.get(id(p), "?") for p in no_grad if p.requires_grad]
-            frozen = [self.param_names.get(id(p), "?") for p in no_grad if not p.requires_grad]
+            # Frozen before DDP was built is harmless; frozen after, DDP still waits for them.
+            frozen = [
+                self.param_names.get(id(p), "?")
+                for p in no_grad
+                if not p.requires_grad and id(p) not in self.frozen_when_built
+            ]
+            unfrozen = [
+                self.param_names.get(id(p), "?")
+                for p in st.masters.model_params
+                if p.grad is not None and id(p) in self.frozen_when_built
+            ]
+            if unfrozen:  # (an audit: progressive unfreezing was told about other parameters)
+                first += (
+                    f"; parameters trained now that were frozen when DDP was built "
+                    "(requires_grad=False at distamp.wrap / distamp.hooks.register): "
+                    f"{', '.join(map(repr, unfrozen[:4]))}"
+                    f"{' and more' if len(unfrozen) > 4 else ''} — DDP's reducer never reduces "
+                    "them: rebuild DDP after unfreezing (and call distamp.hooks.register again)"
+                )
             if missing:
                 first += (
                     f"; parameters with no gradient on this rank: "

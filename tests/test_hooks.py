@@ -613,3 +613,37 @@ def test_a_layer_frozen_after_ddp_is_named_in_the_refusal():
     assert messages[0] is not None and messages[0] == messages[1]
     assert "parameters frozen now (requires_grad=False): '2.weight', '2.bias'" in messages[0]
     assert "if frozen after DDP was built" in messages[0]
+
+
+def _unfrozen_after_ddp(rank, world, register):
+    """Progressive unfreezing: layer 0 stays frozen (harmless), layer 2 was frozen when DDP was
+    built and is trained now without rebuilding DDP, whose reducer never reduces it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O1", shard_master_weights=True, verbosity=0)
+    ddp = DDP(model, find_unused_parameters=True)
+    if register:
+        distamp.hooks.register(ddp, opt)
+    model[2].requires_grad_(True)
+    x = torch.full((2, 4), float(rank + 1))
+    with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("register", [False, True], ids=["plain DDP", "hooks.register"])
+def test_a_layer_unfrozen_after_ddp_is_named_and_one_frozen_before_is_not(register):
+    """An audit: the refusal blamed layer 0 (frozen before DDP was built, harmless), advised the
+    find_unused_parameters=True already passed, and never named the unfrozen layer."""
+    messages = run_ranks(_unfrozen_after_ddp, 2, register)
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "trained now that were frozen when DDP was built" in messages[0], messages[0]
+    assert "'2.weight', '2.bias' — DDP's reducer never reduces them" in messages[0]
+    assert "frozen now" not in messages[0]

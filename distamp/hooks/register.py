@@ -156,6 +156,12 @@ def register(
     st.group.hooked_ignored |= {
         id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
     }
+    # DDP's reducer holds the parameters that required grad when it was built (just before).
+    for p in ddp_model.parameters():
+        if p.requires_grad:
+            st.group.frozen_when_built.discard(id(p))
+        else:
+            st.group.frozen_when_built.add(id(p))
     # DDP reduces every gradient over wrap's ranks: the replica check runs at O0/O1 too.
     if st.group.process_group is not None and sorted(_ranks(group)) == sorted(
         _ranks(st.group.process_group)

@@ -108,6 +108,32 @@ def test_check_names_a_norm_layer_o2_does_not_recognize():
     assert "1" in distamp.doctor.kept_fp32(model, keep_fp32_modules=["1"])
 
 
+def test_check_names_a_layer_calling_an_fft_under_o2_and_o3():
+    """FNet's token mixing: torch has no bf16 FFT kernel (nor an fp16 one on CPU), so O2/O3 failed
+    at the first forward with torch's bare "Unsupported dtype BFloat16" (an audit); O1's
+    autocast runs FFTs in FP32."""
+
+    class FourierMix(nn.Module):
+        def forward(self, x):
+            return torch.fft.fft2(x).real
+
+    class Spectral(nn.Module):
+        def forward(self, x):
+            return torch.fft.irfft(torch.fft.rfft(x), n=x.shape[-1])
+
+    model = nn.Sequential(nn.Linear(8, 8), FourierMix(), Spectral(), nn.LayerNorm(8))
+    for level in ("O2", "O3"):
+        flagged = [f for f in distamp.doctor.check(model, opt_level=level) if "fft" in f.why]
+        assert [f.module for f in flagged] == ["1", "2"], level
+        assert "keep_fp32_modules=['1']" in flagged[0].fix
+    assert not any("fft" in f.why for f in distamp.doctor.check(model, opt_level="O1"))
+    # ... and the fix it names works: the kept layer runs in FP32 under O2.
+    wrapped = distamp.wrap(
+        model, opt_level="O2", half_dtype=torch.bfloat16, keep_fp32_modules=["1", "2"], verbosity=0
+    )
+    assert wrapped(torch.randn(2, 4, 8)).dtype == torch.float32
+
+
 def test_cli_refuses_a_seconds_budget_that_never_ends_or_makes_no_sense():
     """--seconds inf never returned; nan and -1 were taken silently (an audit)."""
     for bad in ("inf", "nan", "-1", "0"):

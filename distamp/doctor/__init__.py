@@ -6,8 +6,10 @@ opt_level=...)`` lists findings for one model (:func:`check`).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ def check(
     device = device_type or next((p.device.type for p in model.parameters()), "cpu")
     half = parse_half_dtype(half_dtype, device)
     findings: list[Finding] = []
+    ffts: dict[type, bool] = {}  # per class: its forward's source is read once
     info = torch.finfo(half)
     smallest = info.tiny * info.eps  # the least subnormal number
     for name, module in model.named_modules():
@@ -111,6 +114,19 @@ def check(
                         fix="pad the dimension to a multiple of 8 (vocabulary sizes too).",
                     )
                 )
+        if level in ("O2", "O3") and type(module) not in ffts:
+            ffts[type(module)] = _calls_fft(type(module))
+        if level in ("O2", "O3") and ffts[type(module)]:
+            findings.append(
+                Finding(
+                    module=name,
+                    why=f"{type(module).__name__}.forward calls torch.fft (or stft), which gets "
+                    f"{half} inputs under {level} (no autocast moves it to FP32 as under O1): "
+                    "torch has no bf16 FFT kernel and no fp16 one on CPU ('Unsupported dtype').",
+                    fix=f"keep it FP32: distamp.wrap(..., keep_fp32_modules=[{name!r}]), or "
+                    "x.float() before the FFT inside it.",
+                )
+            )
         if level in ("O2", "O3") and isinstance(module, _RISKY_IN_HALF):
             findings.append(
                 Finding(
@@ -122,6 +138,23 @@ def check(
                 )
             )
     return findings
+
+
+_FFT_CALL = re.compile(r"\b(?:fft|ifft|rfft|irfft|hfft|ihfft)(?:2|n)?\s*\(|\bstft\s*\(")
+
+
+def _calls_fft(cls: type) -> bool:
+    """Whether ``cls``'s own ``forward`` (a class of the user's, not torch's) calls an FFT: FNet's
+    mixing, FFT convolutions, spectral layers (an audit: O2's first forward failed with torch's
+    bare "Unsupported dtype BFloat16" and check said nothing). Read from its source."""
+    forward = cls.__dict__.get("forward")
+    if forward is None or cls.__module__.startswith("torch."):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return bool(_FFT_CALL.search(source))
 
 
 def kept_fp32(

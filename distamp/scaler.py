@@ -442,9 +442,11 @@ class ScalerGroup:
             for _ in range(props.num_losses)
         ]
         self.optimizers: list[AmpOptimizerState] = []
-        self.frozen_when_built: set[int] = set()
-        """ids of the parameters frozen when DDP was built (at wrap, then at hooks.register):
-        DDP's reducer never reduces them, even once they train (see _refuse_parted_replicas)."""
+        self.frozen_when_built: set[int] | None = None
+        """ids of the parameters frozen when DDP was built, as ``hooks.register`` (called right
+        after building DDP, and again after rebuilding it) saw them: DDP's reducer never reduces
+        them, even once they train (see _refuse_parted_replicas). None: no DDP registered, not
+        known (a DDP built apart from wrap may have been rebuilt since: a review)."""
         self._open: list[Backward] = []
         """Blocks whose loss scaler has not been updated yet."""
         self.warned_extra_keys: set[tuple[Any, ...]] = set()
@@ -1302,15 +1304,16 @@ class ScalerGroup:
             no_grad = [p for p in st.masters.model_params if p.grad is None]
             missing = [self.param_names.get(id(p), "?") for p in no_grad if p.requires_grad]
             # Frozen before DDP was built is harmless; frozen after, DDP still waits for them.
+            built = self.frozen_when_built or set()
             frozen = [
                 self.param_names.get(id(p), "?")
                 for p in no_grad
-                if not p.requires_grad and id(p) not in self.frozen_when_built
+                if not p.requires_grad and id(p) not in built
             ]
             unfrozen = [
                 self.param_names.get(id(p), "?")
                 for p in st.masters.model_params
-                if p.grad is not None and id(p) in self.frozen_when_built
+                if p.grad is not None and id(p) in built
             ]
             if unfrozen:  # (an audit: progressive unfreezing was told about other parameters)
                 first += (

@@ -233,9 +233,6 @@ def wrap(
         _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names, template)
     scalers.models = [weakref.ref(m) for m in model_list]
-    scalers.frozen_when_built = {
-        id(p) for m in model_list for p in m.parameters() if not p.requires_grad
-    }
     held = {id(p) for master in masters for p in master.model_params}
     for index, model in enumerate(model_list):
         named = dict(model.named_parameters())

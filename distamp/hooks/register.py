@@ -80,7 +80,14 @@ def register(
             "returns it, Hugging Face's Trainer holds it as trainer.model_wrapped once training "
             "begins)"
         )
-    if getattr(ddp_model, "_comm_hooks", None) or _builtin_comm_hook(ddp_model):
+    builtin = None if getattr(ddp_model, "_comm_hooks", None) else _builtin_comm_hook(ddp_model)
+    if builtin:  # (a Python hook is named in DDP's logging data too: told apart above)
+        raise RuntimeError(
+            f"distamp.hooks.register: this DistributedDataParallel model already has torch's "
+            f"built-in comm hook {builtin} (DDP allows one hook): expected a DDP without one — "
+            "build DDP again and call distamp.hooks.register on it alone"
+        )
+    if getattr(ddp_model, "_comm_hooks", None):
         raise RuntimeError(
             "distamp.hooks.register: this DistributedDataParallel model already has a comm hook "
             "(DDP allows one); register once, right after constructing DDP — with two "
@@ -157,11 +164,12 @@ def register(
         id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
     }
     # DDP's reducer holds the parameters that required grad when it was built (just before).
+    built = st.group.frozen_when_built = st.group.frozen_when_built or set()
     for p in ddp_model.parameters():
         if p.requires_grad:
-            st.group.frozen_when_built.discard(id(p))
+            built.discard(id(p))
         else:
-            st.group.frozen_when_built.add(id(p))
+            built.add(id(p))
     # DDP reduces every gradient over wrap's ranks: the replica check runs at O0/O1 too.
     if st.group.process_group is not None and sorted(_ranks(group)) == sorted(
         _ranks(st.group.process_group)

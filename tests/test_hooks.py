@@ -650,7 +650,7 @@ def test_a_layer_unfrozen_after_ddp_is_named_and_one_frozen_before_is_not():
     assert "frozen now" not in messages[0]
 
 
-def _rebuilt_then_frozen(rank, world):
+def _rebuilt_then_frozen(rank, world, register):
     """Unfrozen, DDP rebuilt and registered again (README's recipe): trains; then layer 1 frozen
     without rebuilding: only layer 1 is named (a review: the rebuilt layer 2 was blamed)."""
     torch.manual_seed(0)
@@ -658,10 +658,13 @@ def _rebuilt_then_frozen(rank, world):
     model[2].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    distamp.hooks.register(DDP(model), opt)
+    first = DDP(model)
+    if register:
+        distamp.hooks.register(first, opt)
     model[2].requires_grad_(True)
     ddp = DDP(model, bucket_cap_mb=1e-5)
-    distamp.hooks.register(ddp, opt)
+    if register:
+        distamp.hooks.register(ddp, opt)
     x = torch.full((2, 4), float(rank + 1))
     for step in range(2):
         if step == 1:
@@ -676,8 +679,9 @@ def _rebuilt_then_frozen(rank, world):
     return None
 
 
-def test_after_ddp_is_rebuilt_only_the_layer_frozen_since_is_named():
-    for step, message in run_ranks(_rebuilt_then_frozen, 2):
+@pytest.mark.parametrize("register", [True, False], ids=["registered", "plain DDP"])
+def test_after_ddp_is_rebuilt_only_the_layer_frozen_since_is_named(register):
+    for step, message in run_ranks(_rebuilt_then_frozen, 2, register):
         assert step == 1, message
         assert "parameters frozen now (requires_grad=False): '1.weight', '1.bias'" in message
         assert "trained now that were frozen" not in message, message

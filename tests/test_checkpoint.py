@@ -1546,3 +1546,53 @@ def test_a_model_with_a_layer_more_or_less_is_told_every_key(tmp_path):
         distamp.load_checkpoint(tmp_path / "ckpt", *make(1))
     assert "the checkpoint has '1.weight', this model does not" in str(less.value), less.value
     assert "the checkpoint has '1.bias'" in str(less.value), less.value
+
+
+def test_numpy_on_another_bit_generator_saves_and_loads_without_its_state(tmp_path):
+    """np.random.set_bit_generator(PCG64): every save failed with a bare "too many values to
+    unpack", and a load into such a process failed after the weights were replaced (an audit).
+    Both now go through, numpy's state left out and said so; torch's RNG is restored."""
+    import numpy as np
+
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    saved_generator = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(3))
+        torch.manual_seed(7)
+        with pytest.warns(UserWarning, match="numpy's global RNG runs another bit generator"):
+            distamp.save_checkpoint(tmp_path / "pcg", model, opt)
+        expected = torch.rand(3)
+        np.random.set_bit_generator(saved_generator)
+        torch.manual_seed(7)
+        distamp.save_checkpoint(tmp_path / "mt", model, opt)  # numpy's state saved
+        np.random.set_bit_generator(np.random.PCG64(3))
+        fresh, fresh_opt, _ = make("O2")
+        with pytest.warns(UserWarning, match="the saved MT19937 state is not restored"):
+            distamp.load_checkpoint(tmp_path / "mt", fresh, fresh_opt)
+        assert torch.equal(torch.rand(3), expected)
+        fresh, fresh_opt, _ = make("O2")
+        distamp.load_checkpoint(tmp_path / "pcg", fresh, fresh_opt)
+        assert torch.equal(torch.rand(3), expected)
+        assert_same(dict(fresh.named_parameters()), dict(model.named_parameters()))
+    finally:
+        np.random.set_bit_generator(saved_generator)
+
+
+def _rng_at_another_world(rank, world, path):
+    model, opt, sched = make("O2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distamp.load_checkpoint(path, model, opt)
+    return [str(w.message) for w in caught if "RNG states" in str(w.message)]
+
+
+def test_loading_at_another_world_size_says_the_rng_is_not_restored(tmp_path):
+    """Each rank silently kept its own RNG (identical dropout masks on every rank after a
+    model built under one seed; an audit): rank 0 says so, with what to do."""
+    model, opt, sched = make("O2")
+    train(model, opt, sched, 0, 1, 0, 2)
+    distamp.save_checkpoint(tmp_path / "c", model, opt)
+    first, second = run_ranks(_rng_at_another_world, 2, str(tmp_path / "c"))
+    assert len(first) == 1 and "saved at 1 ranks, loaded at 2" in first[0], first
+    assert "torch.manual_seed(seed + rank)" in first[0] and second == []

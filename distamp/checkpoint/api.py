@@ -613,7 +613,10 @@ def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        legacy = np.random.get_state(legacy=True)
+        if not isinstance(legacy, tuple):  # a dict: another bit generator (set_bit_generator)
+            raise _NotMT19937
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = {
             "kind": str(kind),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -623,14 +626,46 @@ def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:
         }
     except ImportError:
         pass
+    except _NotMT19937:
+        # (an audit: every save failed with a bare "too many values to unpack")
+        warnings.warn(
+            "save_checkpoint: numpy's global RNG runs another bit generator than MT19937 "
+            "(np.random.set_bit_generator): its state is not saved (the torch and Python RNG "
+            "states are); expected MT19937 for numpy's to be restored on resume",
+            stacklevel=3,
+        )
     with open(tmp / f"rng-{rank}.pt", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _load_rng(directory: Path, rank: int) -> None:
+class _NotMT19937(Exception):
+    """numpy's global RNG is not the legacy MT19937 state that is saved."""
+
+
+def _read_rng(directory: Path, rank: int) -> dict[str, Any]:
+    """This rank's RNG file, read (and numpy's state checked) before anything is installed: a
+    failure after the weights were replaced lost the model the user had (an audit)."""
     state = torch.load(directory / f"rng-{rank}.pt", weights_only=True)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            if not isinstance(np.random.get_state(legacy=True), tuple):
+                warnings.warn(
+                    "load_checkpoint: numpy's global RNG runs another bit generator than "
+                    "MT19937 (np.random.set_bit_generator): the saved MT19937 state is not "
+                    "restored into it (the torch and Python RNG states are)",
+                    stacklevel=4,
+                )
+                del state["numpy"]
+        except ImportError:
+            del state["numpy"]
+    return dict(state)
+
+
+def _load_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -728,13 +763,25 @@ def load_checkpoint(directory: PathLike | None, model: Any, optimizer: Any) -> d
         lambda: _own_buffers_into(dest, manifest, directory, target),
         pg,
     )
+    same_world = manifest["world_size"] == target.world
+    rng: dict[str, Any] = {}
+    if same_world:
+        rng = agree("load_checkpoint: RNG state", lambda: _read_rng(directory, target.rank), pg)
+    elif target.rank == 0:  # (an audit: every rank kept the RNG it had, unwarned)
+        warnings.warn(
+            f"load_checkpoint: the checkpoint was saved at {manifest['world_size']} ranks, "
+            f"loaded at {target.world}: the ranks' RNG states (torch, Python, numpy) are not "
+            "restored, each rank keeps its own; seed each rank after load_checkpoint where its "
+            "randomness (dropout, augmentation) must differ, e.g. torch.manual_seed(seed + rank)",
+            stacklevel=3,
+        )
     install(dest)
     for view in target.views:
         if view.st is not None:
             view.st.masters.copy_to_model()  # collective when sharded
             view.st.masters.restored = True  # see [Note: loading weights into the masters]
-    if manifest["world_size"] == target.world:
-        agree("load_checkpoint: RNG state", lambda: _load_rng(directory, target.rank), pg)
+    if same_world:
+        _load_rng(rng)
     extra = manifest.get("extra") or {}
     return extra if isinstance(extra, dict) else {"extra": extra}
 

@@ -899,6 +899,13 @@ def scale_loss(
         raise TypeError(
             f"scale_loss: expected the loss as a torch.Tensor, got {type(loss).__name__}"
         )
+    if getattr(loss, "_distamp_scaled", False):
+        # (an audit: a block over another block's scaled loss scaled it twice, 65536x, silently)
+        raise ValueError(
+            "scale_loss: expected an unscaled loss, found the scaled loss another scale_loss "
+            "block yielded (nested blocks scale it twice): list every optimizer the loss reaches "
+            "in one block, scale_loss(loss, [optimizer_a, optimizer_b])"
+        )
     states, disabled = _states(optimizers, "scale_loss")
     if disabled is not None:
         yield loss
@@ -936,6 +943,7 @@ def scale_loss(
     try:
         scale = group.prepare_backward(loss_id, states)
         scaled = loss.float() * scale
+        scaled._distamp_scaled = True  # type: ignore[attr-defined]  # refused as a block's loss
         watch = scaled.requires_grad and scale != 1.0 and all(map(_sees_backward, states))
         through_scaled: list[bool] = []
         if watch:

@@ -840,3 +840,29 @@ def test_a_block_closed_in_another_thread_is_recorded_and_counts_nothing_left_op
     with ThreadPoolExecutor(1) as pool:
         pool.submit(another_step).result()  # nothing left counted open in the first thread
     assert distamp.stats(opt).steps == 2
+
+
+@pytest.mark.parametrize("calls", ["one wrap call", "two wrap calls"])
+def test_a_block_over_another_blocks_scaled_loss_is_refused(calls):
+    """Nested blocks (an encoder's block around its head's): the inner scaled the outer's
+    scaled loss again, an update 65536 times too large, silently (an audit)."""
+    enc, head = net(), nn.Linear(2, 2)
+    opt_e, opt_h = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (enc, head))
+    if calls == "one wrap call":
+        (enc, head), (opt_e, opt_h) = distamp.wrap(
+            [enc, head], [opt_e, opt_h], opt_level="O1", num_losses=2, verbosity=0
+        )
+    else:
+        enc, opt_e = distamp.wrap(enc, opt_e, opt_level="O1", verbosity=0)
+        head, opt_h = distamp.wrap(head, opt_h, opt_level="O1", num_losses=2, verbosity=0)
+    loss = head(enc(torch.randn(3, 4))).float().sum()
+    with distamp.scale_loss(loss, opt_e) as outer:
+        with pytest.raises(ValueError, match="found the scaled loss another scale_loss block"):
+            with distamp.scale_loss(outer, opt_h, loss_id=1):
+                pass
+    # ... and one block listing both is the way (one call), its gradients unscaled at step.
+    if calls == "one wrap call":
+        opt_e.zero_grad()
+        with distamp.scale_loss(loss, [opt_e, opt_h]) as scaled:
+            scaled.backward()
+        assert head.weight.grad.abs().max() > 1000  # still scaled until step()

@@ -1,5 +1,6 @@
 """The precision doctor: the CLI runs, and check() names planted risks."""
 
+import functools
 import subprocess
 import sys
 
@@ -121,15 +122,38 @@ def test_check_names_a_layer_calling_an_fft_under_o2_and_o3():
         def forward(self, x):
             return torch.fft.irfft(torch.fft.rfft(x), n=x.shape[-1])
 
-    model = nn.Sequential(nn.Linear(8, 8), FourierMix(), Spectral(), nn.LayerNorm(8))
+    class Inherited(Spectral):  # forward from its base
+        pass
+
+    class Kept(nn.Module):  # Hugging Face's FNet holds partial(torch.fft.fftn, dim=(1, 2))
+        def __init__(self):
+            super().__init__()
+            self.fourier = functools.partial(torch.fft.fftn, dim=(1, 2))
+
+        def forward(self, x):
+            return self.fourier(x).real
+
+    class Cast(nn.Module):
+        def forward(self, x):
+            # fft2(x) in half fails; a docstring or comment naming torch.fft.fft2(x) is no call
+            fft_size = x.shape[-1]
+            return torch.fft.fft2(x.float(), s=(fft_size, fft_size)).real  # the advised fix
+
+    model = nn.Sequential(
+        nn.Linear(8, 8), FourierMix(), Spectral(), nn.LayerNorm(8), Inherited(), Kept(), Cast()
+    )
     for level in ("O2", "O3"):
         flagged = [f for f in distamp.doctor.check(model, opt_level=level) if "fft" in f.why]
-        assert [f.module for f in flagged] == ["1", "2"], level
+        assert [f.module for f in flagged] == ["1", "2", "4", "5"], level  # (a review: 4, 5)
         assert "keep_fp32_modules=['1']" in flagged[0].fix
     assert not any("fft" in f.why for f in distamp.doctor.check(model, opt_level="O1"))
     # ... and the fix it names works: the kept layer runs in FP32 under O2.
     wrapped = distamp.wrap(
-        model, opt_level="O2", half_dtype=torch.bfloat16, keep_fp32_modules=["1", "2"], verbosity=0
+        model,
+        opt_level="O2",
+        half_dtype=torch.bfloat16,
+        keep_fp32_modules=["1", "2", "4", "5"],
+        verbosity=0,
     )
     assert wrapped(torch.randn(2, 4, 8)).dtype == torch.float32
 

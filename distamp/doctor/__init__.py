@@ -6,12 +6,16 @@ opt_level=...)`` lists findings for one model (:func:`check`).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import io
 import math
 import os
 import re
 import tempfile
+import textwrap
 import time
+import tokenize
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +72,7 @@ def check(
     device = device_type or next((p.device.type for p in model.parameters()), "cpu")
     half = parse_half_dtype(half_dtype, device)
     findings: list[Finding] = []
-    ffts: dict[type, bool] = {}  # per class: its forward's source is read once
+    ffts: dict[type, bool] = {}  # per class: its forward's source is read once (_calls_fft)
     info = torch.finfo(half)
     smallest = info.tiny * info.eps  # the least subnormal number
     for name, module in model.named_modules():
@@ -114,9 +118,7 @@ def check(
                         fix="pad the dimension to a multiple of 8 (vocabulary sizes too).",
                     )
                 )
-        if level in ("O2", "O3") and type(module) not in ffts:
-            ffts[type(module)] = _calls_fft(type(module))
-        if level in ("O2", "O3") and ffts[type(module)]:
+        if level in ("O2", "O3") and _calls_fft(module, ffts):
             findings.append(
                 Finding(
                     module=name,
@@ -141,20 +143,49 @@ def check(
 
 
 _FFT_CALL = re.compile(r"\b(?:fft|ifft|rfft|irfft|hfft|ihfft)(?:2|n)?\s*\(|\bstft\s*\(")
+_FFT_NAMES = re.compile(r"^(?:fft_)?(?:fft|ifft|rfft|irfft|hfft|ihfft)(?:2|n)?$|^stft$")
 
 
-def _calls_fft(cls: type) -> bool:
-    """Whether ``cls``'s own ``forward`` (a class of the user's, not torch's) calls an FFT: FNet's
-    mixing, FFT convolutions, spectral layers (an audit: O2's first forward failed with torch's
-    bare "Unsupported dtype BFloat16" and check said nothing). Read from its source."""
-    forward = cls.__dict__.get("forward")
-    if forward is None or cls.__module__.startswith("torch."):
+def _calls_fft(module: nn.Module, sources: dict[type, bool]) -> bool:
+    """Whether ``module`` runs an FFT: FNet's mixing, FFT convolutions, spectral layers (an audit:
+    O2's first forward failed with torch's bare "Unsupported dtype BFloat16" and check said
+    nothing). An attribute holding an FFT function (Hugging Face's FNet keeps
+    ``partial(torch.fft.fftn, dim=(1, 2))``), or a call in the source of its class's ``forward``
+    (inherited too; comments and strings left out; a call on an input cast to FP32 in place,
+    ``fft2(x.float())``, is fine). ``sources`` caches the source's answer per class."""
+    for value in vars(module).values():
+        func = value.func if isinstance(value, functools.partial) else value
+        if callable(func) and _FFT_NAMES.match(getattr(func, "__name__", "") or ""):
+            return True
+    cls = type(module)
+    if cls not in sources:
+        sources[cls] = _forward_calls_fft(cls)
+    return sources[cls]
+
+
+def _forward_calls_fft(cls: type) -> bool:
+    owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
+    if owner is None or owner.__module__.startswith("torch."):
         return False
     try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
+        source = inspect.getsource(vars(owner)["forward"])
+        tokens = tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline)
+        code = " ".join(
+            t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING)
+        )
+    except (OSError, TypeError, tokenize.TokenError, SyntaxError, IndentationError):
         return False
-    return bool(_FFT_CALL.search(source))
+    for match in _FFT_CALL.finditer(code):
+        depth, end = 1, match.end()
+        while end < len(code) and depth:  # the first argument, to its comma or parenthesis
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            if code[end] == "," and depth == 1:
+                break
+            end += 1
+        argument = code[match.end() : end]
+        if not re.search(r"\.\s*float\s*\(\s*\)|float32|\.\s*double\s*\(", argument):
+            return True
+    return False
 
 
 def kept_fp32(

@@ -660,32 +660,31 @@ class _HalfAsFP32StateDict:
 
 
 class _WidenedCopies:
-    """The copies one ``state_dict()`` call made (FP32 ones of half tensors, and of views of a
-    sharded layout's flat buffer), by the storage they copy.
+    """The copies ``state_dict()`` calls made (FP32 ones of half tensors, and of views of a
+    sharded layout's flat buffer), per destination, by the storage they copy.
 
     Tied tensors (an embedding and its ``lm_head``, T5's four aliases of ``shared``) are one
     tensor in torch's state dict, which ``torch.save`` writes once and ``save_pretrained`` knows
     as tied. Each module's post-hook widening its own alias made one FP32 copy per alias instead
     (an audit: a T5 O2 checkpoint 14% larger, GPT-2 saved ``lm_head.weight`` beside ``wte``).
-    The copies are kept only while that call's destination lives (torch's is an OrderedDict,
-    weakly referenced); a plain ``dict`` destination gets a copy per alias, as before.
+    The copies are kept only while their destination lives (torch's is an OrderedDict, weakly
+    referenced), one cache per destination under a lock (a review: two threads' calls reset
+    each other's, and tied weights came out as two copies); a plain ``dict`` destination gets
+    a copy per alias. A destination passed again gets its copies refreshed once per call.
     """
 
     def __init__(self) -> None:
-        self.dest: weakref.ref[Any] | None = None
-        self.copies: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.lock = threading.RLock()  # _forget may run inside widen (a collected cycle)
+        self.caches: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], Any]]] = {}
 
     def widen(
         self, state_dict: dict[str, Any], value: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """``value`` as a tensor of ``dtype`` of its own (one per storage and shape)."""
-        if self.dest is None or self.dest() is not state_dict:
-            self.copies = {}
-            try:
-                self.dest = weakref.ref(state_dict, self._forget)
-            except TypeError:  # a plain dict: no weak reference, so no sharing
-                self.dest = None
-                return value.to(dtype, copy=True)
+        try:
+            ref = weakref.ref(state_dict, self._forget)
+        except TypeError:  # a plain dict: no weak reference, so no sharing
+            return value.to(dtype, copy=True)
         key = (
             value.untyped_storage().data_ptr(),
             value.storage_offset(),
@@ -694,20 +693,34 @@ class _WidenedCopies:
             value.dtype,
             dtype,
         )
-        copy = self.copies.get(key)
-        if copy is None:
-            copy = self.copies[key] = value.to(dtype, copy=True)
-        else:
-            # Refreshed: a destination passed again holds the copy from its last call, and since
-            # then a step, a .data write or the user's own edit of the copy may have changed
-            # either side, which no version counter sees (a review: stale weights handed back).
-            with torch.no_grad():
-                copy.copy_(value)
-        return copy
+        # torch gives each call's outermost module a new metadata dict, written first.
+        metadata = getattr(state_dict, "_metadata", None)
+        call = next(iter(metadata.values()), None) if metadata else None
+        with self.lock:
+            entry = self.caches.get(id(state_dict))
+            if entry is None or entry[0]() is not state_dict:
+                entry = self.caches[id(state_dict)] = (ref, {})
+            copies = entry[1]
+            cached = copies.get(key)
+            if cached is None:
+                copy = value.to(dtype, copy=True)
+            else:
+                copy, seen = cached
+                if call is None or seen is not call:
+                    # A destination passed again holds the copy from its last call; since then a
+                    # step, a .data write or the user's own edit of the copy may have changed
+                    # either side, which no version counter sees (a review: stale weights).
+                    with torch.no_grad():
+                        copy.copy_(value)
+            copies[key] = (copy, call)
+            return copy
 
     def _forget(self, ref: weakref.ref[Any]) -> None:
-        if ref is self.dest:  # the state dict is gone: drop its copies with it
-            self.dest, self.copies = None, {}
+        """A destination is gone: drop its copies with it."""
+        with self.lock:
+            for ident, (other, _) in list(self.caches.items()):
+                if other is ref:
+                    del self.caches[ident]
 
 
 def _recast_half_state(optimizer: torch.optim.Optimizer) -> None:

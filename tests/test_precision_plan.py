@@ -284,3 +284,25 @@ def test_a_tied_weight_is_one_fp32_tensor_in_the_state_dict_as_in_torchs(level):
     model.state_dict(destination=into)
     assert torch.equal(into["lm_head.weight"], into["transformer.wte.weight"])
     assert into["lm_head.weight"].dtype == torch.float32
+    # two threads' calls at once each keep the tie (a review: they reset each other's copies)
+    import sys
+    import threading
+
+    untied = []
+
+    def snapshots():
+        for _ in range(50):
+            state = model.state_dict()
+            untied.append(state["lm_head.weight"] is not state["transformer.wte.weight"])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=snapshots) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(untied) == 100 and not any(untied)

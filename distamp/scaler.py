@@ -442,6 +442,8 @@ class ScalerGroup:
             for _ in range(props.num_losses)
         ]
         self.optimizers: list[AmpOptimizerState] = []
+        self.frozen_at_wrap: set[int] = set()
+        """ids of the parameters frozen when wrap ran (before any DDP of the model)."""
         self.frozen_when_built: set[int] | None = None
         """ids of the parameters frozen when DDP was built, as ``hooks.register`` (called right
         after building DDP, and again after rebuilding it) saw them: DDP's reducer never reduces
@@ -1304,7 +1306,10 @@ class ScalerGroup:
             no_grad = [p for p in st.masters.model_params if p.grad is None]
             missing = [self.param_names.get(id(p), "?") for p in no_grad if p.requires_grad]
             # Frozen before DDP was built is harmless; frozen after, DDP still waits for them.
-            built = self.frozen_when_built or set()
+            # Unknown without hooks.register: those frozen at wrap (DDP comes after wrap).
+            built = self.frozen_when_built
+            if built is None:
+                built = self.frozen_at_wrap
             frozen = [
                 self.param_names.get(id(p), "?")
                 for p in no_grad
@@ -1313,7 +1318,7 @@ class ScalerGroup:
             unfrozen = [
                 self.param_names.get(id(p), "?")
                 for p in st.masters.model_params
-                if p.grad is not None and id(p) in built
+                if p.grad is not None and self.frozen_when_built and id(p) in built
             ]
             if unfrozen:  # (an audit: progressive unfreezing was told about other parameters)
                 first += (

@@ -233,6 +233,9 @@ def wrap(
         _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names, template)
     scalers.models = [weakref.ref(m) for m in model_list]
+    scalers.frozen_at_wrap = {
+        id(p) for m in model_list for p in m.parameters() if not p.requires_grad
+    }
     held = {id(p) for master in masters for p in master.model_params}
     for index, model in enumerate(model_list):
         named = dict(model.named_parameters())
@@ -644,7 +647,9 @@ class _HalfAsFP32StateDict:
                 and value is not live
                 and value.dtype in (torch.float16, torch.bfloat16)
             ):
-                state_dict[prefix + name] = self.copies.widen(state_dict, value, torch.float32)
+                state_dict[prefix + name] = self.copies.widen(
+                    module, state_dict, value, torch.float32
+                )
         if not self.unshare:
             return
         for name, live in module._parameters.items():
@@ -656,7 +661,9 @@ class _HalfAsFP32StateDict:
                 and value.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
                 and value.untyped_storage().nbytes() > value.numel() * value.element_size()
             ):
-                state_dict[prefix + name] = self.copies.widen(state_dict, value, value.dtype)
+                state_dict[prefix + name] = self.copies.widen(
+                    module, state_dict, value, value.dtype
+                )
 
 
 class _WidenedCopies:
@@ -670,7 +677,8 @@ class _WidenedCopies:
     The copies are kept only while their destination lives (torch's is an OrderedDict, weakly
     referenced), one cache per destination under a lock (a review: two threads' calls reset
     each other's, and tied weights came out as two copies); a plain ``dict`` destination gets
-    a copy per alias. A destination passed again gets its copies refreshed once per call.
+    a copy per alias. A destination passed again gets its copies refreshed once per call (a
+    module asking for a copy it asked for before starts a new call).
     """
 
     def __init__(self) -> None:
@@ -678,9 +686,14 @@ class _WidenedCopies:
         self.caches: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], Any]]] = {}
 
     def widen(
-        self, state_dict: dict[str, Any], value: torch.Tensor, dtype: torch.dtype
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        value: torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """``value`` as a tensor of ``dtype`` of its own (one per storage and shape)."""
+        """``value`` (``module``'s) as a tensor of ``dtype`` of its own (one per storage and
+        shape)."""
         try:
             ref = weakref.ref(state_dict, self._forget)
         except TypeError:  # a plain dict: no weak reference, so no sharing
@@ -693,9 +706,6 @@ class _WidenedCopies:
             value.dtype,
             dtype,
         )
-        # torch gives each call's outermost module a new metadata dict, written first.
-        metadata = getattr(state_dict, "_metadata", None)
-        call = next(iter(metadata.values()), None) if metadata else None
         with self.lock:
             entry = self.caches.get(id(state_dict))
             if entry is None or entry[0]() is not state_dict:
@@ -703,16 +713,18 @@ class _WidenedCopies:
             copies = entry[1]
             cached = copies.get(key)
             if cached is None:
-                copy = value.to(dtype, copy=True)
-            else:
-                copy, seen = cached
-                if call is None or seen is not call:
-                    # A destination passed again holds the copy from its last call; since then a
-                    # step, a .data write or the user's own edit of the copy may have changed
-                    # either side, which no version counter sees (a review: stale weights).
-                    with torch.no_grad():
-                        copy.copy_(value)
-            copies[key] = (copy, call)
+                copies[key] = (value.to(dtype, copy=True), {id(module)})
+                return copies[key][0]
+            copy, served = cached
+            if id(module) in served:
+                # A module asking again is a new call into a destination passed again: since the
+                # last, a step, a .data write or the user's own edit of the copy may have
+                # changed either side, which no version counter sees (a review: stale weights).
+                # Tied aliases come from other modules of one call: copied once.
+                with torch.no_grad():
+                    copy.copy_(value)
+                served.clear()
+            served.add(id(module))
             return copy
 
     def _forget(self, ref: weakref.ref[Any]) -> None:

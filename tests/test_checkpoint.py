@@ -1548,6 +1548,7 @@ def test_a_model_with_a_layer_more_or_less_is_told_every_key(tmp_path):
     assert "the checkpoint has '1.bias'" in str(less.value), less.value
 
 
+@pytest.mark.filterwarnings("error:get_state and legacy")  # numpy's own, from probing (a review)
 def test_numpy_on_another_bit_generator_saves_and_loads_without_its_state(tmp_path):
     """np.random.set_bit_generator(PCG64): every save failed with a bare "too many values to
     unpack", and a load into such a process failed after the weights were replaced (an audit).

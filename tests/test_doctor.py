@@ -139,8 +139,17 @@ def test_check_names_a_layer_calling_an_fft_under_o2_and_o3():
             fft_size = x.shape[-1]
             return torch.fft.fft2(x.float(), s=(fft_size, fft_size)).real  # the advised fix
 
+    class Weird:  # a user's callable whose __getattr__ raises anything (a review: a crash)
+        def __call__(self, x):
+            return x
+
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+    cast = Cast()
+    cast.helper = Weird()
     model = nn.Sequential(
-        nn.Linear(8, 8), FourierMix(), Spectral(), nn.LayerNorm(8), Inherited(), Kept(), Cast()
+        nn.Linear(8, 8), FourierMix(), Spectral(), nn.LayerNorm(8), Inherited(), Kept(), cast
     )
     for level in ("O2", "O3"):
         flagged = [f for f in distamp.doctor.check(model, opt_level=level) if "fft" in f.why]

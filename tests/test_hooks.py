@@ -685,3 +685,29 @@ def test_after_ddp_is_rebuilt_only_the_layer_frozen_since_is_named(register):
         assert step == 1, message
         assert "parameters frozen now (requires_grad=False): '1.weight', '1.bias'" in message
         assert "trained now that were frozen" not in message, message
+
+
+def _frozen_before_wrap_unsynced(rank, world):
+    """Layer 0 frozen before wrap (the optimizer over every parameter), plain DDP, a step on
+    gradients DDP never synced: the refusal must not call layer 0 frozen after DDP was built
+    (a review: without hooks.register it did)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model)
+    with ddp.no_sync():
+        with distamp.scale_loss(ddp(torch.full((2, 4), float(rank + 1))).float().sum(), opt) as s:
+            s.backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_a_layer_frozen_before_wrap_is_not_blamed_without_register():
+    for message in run_ranks(_frozen_before_wrap_unsynced, 2):
+        assert message is not None and "found them different" in message, message
+        assert "frozen now" not in message, message

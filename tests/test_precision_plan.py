@@ -279,6 +279,18 @@ def test_a_tied_weight_is_one_fp32_tensor_in_the_state_dict_as_in_torchs(level):
     assert again["lm_head.weight"] is again["transformer.wte.weight"]
     assert torch.equal(again["lm_head.weight"], model.lm_head.weight.float())
     assert not torch.equal(again["lm_head.weight"], tied)
+    # ... also passed again from a submodule, or under another prefix (a review: stale)
+    for call in (
+        lambda: model.lm_head.state_dict(destination=again, prefix="lm_head."),
+        lambda: model.state_dict(destination=again, prefix="snap."),
+    ):
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        call()
+        live = model.lm_head.weight.float()
+        assert torch.equal(again["lm_head.weight"], live)
+    assert torch.equal(again["snap.lm_head.weight"], live)
+    assert again["snap.lm_head.weight"] is again["snap.transformer.wte.weight"]
     # a plain dict destination (no weak reference) still widens each alias correctly
     into: dict = {}
     model.state_dict(destination=into)

@@ -613,10 +613,9 @@ def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:
     try:
         import numpy as np
 
-        legacy = np.random.get_state(legacy=True)
-        if not isinstance(legacy, tuple):  # a dict: another bit generator (set_bit_generator)
-            raise _NotMT19937
-        kind, keys, pos, has_gauss, cached = legacy
+        if np.random.get_state(legacy=False)["bit_generator"] != "MT19937":
+            raise _NotMT19937  # another bit generator (np.random.set_bit_generator)
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state["numpy"] = {
             "kind": str(kind),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -652,7 +651,7 @@ def _read_rng(directory: Path, rank: int) -> dict[str, Any]:
         try:
             import numpy as np
 
-            if not isinstance(np.random.get_state(legacy=True), tuple):
+            if np.random.get_state(legacy=False)["bit_generator"] != "MT19937":
                 warnings.warn(
                     "load_checkpoint: numpy's global RNG runs another bit generator than "
                     "MT19937 (np.random.set_bit_generator): the saved MT19937 state is not "

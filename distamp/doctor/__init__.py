@@ -155,7 +155,11 @@ def _calls_fft(module: nn.Module, sources: dict[type, bool]) -> bool:
     ``fft2(x.float())``, is fine). ``sources`` caches the source's answer per class."""
     for value in vars(module).values():
         func = value.func if isinstance(value, functools.partial) else value
-        if callable(func) and _FFT_NAMES.match(getattr(func, "__name__", "") or ""):
+        try:  # a user's callable may raise anything from __getattr__ (a review)
+            name = getattr(func, "__name__", "") if callable(func) else ""
+        except Exception:
+            continue
+        if isinstance(name, str) and _FFT_NAMES.match(name):
             return True
     cls = type(module)
     if cls not in sources:

@@ -647,9 +647,7 @@ class _HalfAsFP32StateDict:
                 and value is not live
                 and value.dtype in (torch.float16, torch.bfloat16)
             ):
-                state_dict[prefix + name] = self.copies.widen(
-                    module, state_dict, value, torch.float32
-                )
+                state_dict[prefix + name] = self.copies.widen(state_dict, value, torch.float32)
         if not self.unshare:
             return
         for name, live in module._parameters.items():
@@ -661,9 +659,7 @@ class _HalfAsFP32StateDict:
                 and value.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
                 and value.untyped_storage().nbytes() > value.numel() * value.element_size()
             ):
-                state_dict[prefix + name] = self.copies.widen(
-                    module, state_dict, value, value.dtype
-                )
+                state_dict[prefix + name] = self.copies.widen(state_dict, value, value.dtype)
 
 
 class _WidenedCopies:
@@ -677,23 +673,17 @@ class _WidenedCopies:
     The copies are kept only while their destination lives (torch's is an OrderedDict, weakly
     referenced), one cache per destination under a lock (a review: two threads' calls reset
     each other's, and tied weights came out as two copies); a plain ``dict`` destination gets
-    a copy per alias. A destination passed again gets its copies refreshed once per call (a
-    module asking for a copy it asked for before starts a new call).
+    a copy per alias. A cached copy is refreshed at every hit (a destination passed again).
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()  # _forget may run inside widen (a collected cycle)
-        self.caches: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], Any]]] = {}
+        self.caches: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], torch.Tensor]]] = {}
 
     def widen(
-        self,
-        module: nn.Module,
-        state_dict: dict[str, Any],
-        value: torch.Tensor,
-        dtype: torch.dtype,
+        self, state_dict: dict[str, Any], value: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``value`` (``module``'s) as a tensor of ``dtype`` of its own (one per storage and
-        shape)."""
+        """``value`` as a tensor of ``dtype`` of its own (one per storage and shape)."""
         try:
             ref = weakref.ref(state_dict, self._forget)
         except TypeError:  # a plain dict: no weak reference, so no sharing
@@ -711,20 +701,16 @@ class _WidenedCopies:
             if entry is None or entry[0]() is not state_dict:
                 entry = self.caches[id(state_dict)] = (ref, {})
             copies = entry[1]
-            cached = copies.get(key)
-            if cached is None:
-                copies[key] = (value.to(dtype, copy=True), {id(module)})
-                return copies[key][0]
-            copy, served = cached
-            if id(module) in served:
-                # A module asking again is a new call into a destination passed again: since the
-                # last, a step, a .data write or the user's own edit of the copy may have
-                # changed either side, which no version counter sees (a review: stale weights).
-                # Tied aliases come from other modules of one call: copied once.
+            copy = copies.get(key)
+            if copy is None:
+                copy = copies[key] = value.to(dtype, copy=True)
+            else:
+                # Refreshed: a destination passed again (whole, from a submodule holding a tied
+                # alias, under another prefix) holds the copy of its last call, and a step, a
+                # .data write or the user's own edit of the copy since is seen by no version
+                # counter (reviews: stale weights); within one call it copies the same values.
                 with torch.no_grad():
                     copy.copy_(value)
-                served.clear()
-            served.add(id(module))
             return copy
 
     def _forget(self, ref: weakref.ref[Any]) -> None:

@@ -279,9 +279,11 @@ def test_a_tied_weight_is_one_fp32_tensor_in_the_state_dict_as_in_torchs(level):
     assert again["lm_head.weight"] is again["transformer.wte.weight"]
     assert torch.equal(again["lm_head.weight"], model.lm_head.weight.float())
     assert not torch.equal(again["lm_head.weight"], tied)
-    # ... also passed again from a submodule, or under another prefix (a review: stale)
+    # ... also passed again from a submodule, from the other holder of the tied weight, or
+    # under another prefix (reviews: stale)
     for call in (
         lambda: model.lm_head.state_dict(destination=again, prefix="lm_head."),
+        lambda: model.transformer.wte.state_dict(destination=again, prefix="lm_head."),
         lambda: model.state_dict(destination=again, prefix="snap."),
     ):
         with torch.no_grad():

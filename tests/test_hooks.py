@@ -587,15 +587,13 @@ def test_fp32_gradients_with_no_loss_scale_go_over_a_bf16_wire_not_fp16():
         )
 
 
-def _frozen_after_ddp(rank, world):
-    """A layer frozen after DDP was built (find_unused_parameters=False): DDP waits for its
-    gradient and leaves its bucket and every later one unreduced."""
+def _three_linears():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
-    ddp = DDP(model, bucket_cap_mb=1e-5)
-    model[2].requires_grad_(False)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+
+def _step_refused(ddp, opt, rank):
+    """One backward and step on this rank's batch: the step's refusal, or None."""
     x = torch.full((2, 4), float(rank + 1))
     with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
         scaled.backward()
@@ -604,6 +602,17 @@ def _frozen_after_ddp(rank, world):
     except RuntimeError as err:
         return str(err)
     return None
+
+
+def _frozen_after_ddp(rank, world):
+    """A layer frozen after DDP was built (find_unused_parameters=False): DDP waits for its
+    gradient and leaves its bucket and every later one unreduced."""
+    model = _three_linears()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    ddp = DDP(model, bucket_cap_mb=1e-5)
+    model[2].requires_grad_(False)
+    return _step_refused(ddp, opt, rank)
 
 
 def test_a_layer_frozen_after_ddp_is_named_in_the_refusal():
@@ -618,8 +627,7 @@ def test_a_layer_frozen_after_ddp_is_named_in_the_refusal():
 def _unfrozen_after_ddp(rank, world, register):
     """Progressive unfreezing: layer 0 stays frozen (harmless), layer 2 was frozen when DDP was
     built and is trained now without rebuilding DDP, whose reducer never reduces it."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model = _three_linears()
     model[0].requires_grad_(False)
     model[2].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -628,14 +636,7 @@ def _unfrozen_after_ddp(rank, world, register):
     if register:
         distamp.hooks.register(ddp, opt)
     model[2].requires_grad_(True)
-    x = torch.full((2, 4), float(rank + 1))
-    with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
-        scaled.backward()
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return _step_refused(ddp, opt, rank)
 
 
 def test_a_layer_unfrozen_after_ddp_is_named_and_one_frozen_before_is_not():
@@ -653,8 +654,7 @@ def test_a_layer_unfrozen_after_ddp_is_named_and_one_frozen_before_is_not():
 def _rebuilt_then_frozen(rank, world, register):
     """Unfrozen, DDP rebuilt and registered again (README's recipe): trains; then layer 1 frozen
     without rebuilding: only layer 1 is named (a review: the rebuilt layer 2 was blamed)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model = _three_linears()
     model[2].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
@@ -665,16 +665,12 @@ def _rebuilt_then_frozen(rank, world, register):
     ddp = DDP(model, bucket_cap_mb=1e-5)
     if register:
         distamp.hooks.register(ddp, opt)
-    x = torch.full((2, 4), float(rank + 1))
     for step in range(2):
         if step == 1:
             model[1].requires_grad_(False)
-        with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
-            scaled.backward()
-        try:
-            opt.step()
-        except RuntimeError as err:
-            return step, str(err)
+        refused = _step_refused(ddp, opt, rank)
+        if refused is not None:
+            return step, refused
         opt.zero_grad()
     return None
 

@@ -190,14 +190,24 @@ class _ScalerView:
 
 class _AmpStateView:
     """apex's private ``amp._amp_state``, read-only but for the scale: ``loss_scalers`` of the
-    latest ``initialize`` (empty before one, or with ``enabled=False``)."""
+    latest ``initialize`` (empty with ``enabled=False``; refused before one, as apex has none
+    then — a script wrapped with ``distamp.wrap`` got an empty list and an IndexError)."""
 
     @property
     def loss_scalers(self) -> list[_ScalerView]:
-        group = _REGISTRY.get("group")
+        if "group" not in _REGISTRY:  # no initialize yet: said by __getattr__, asked next
+            raise AttributeError("loss_scalers")
+        group = _REGISTRY["group"]
         return [_ScalerView(s, group) for s in group.scalers] if group is not None else []
 
     def __getattr__(self, name: str) -> Any:
+        # (also reached when the property above raised: Python then asks __getattr__)
+        if name == "loss_scalers":
+            raise AttributeError(
+                "amp._amp_state.loss_scalers: expected amp.initialize(...) to have run in this "
+                "process, found none (a model wrapped with distamp.wrap: read its scales with "
+                "distamp.stats(optimizer).loss_scales)"
+            )
         raise _apex_internal("amp._amp_state", name)
 
 

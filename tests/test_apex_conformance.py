@@ -929,6 +929,25 @@ def test_amp_state_dict_restores_every_scaler_after_a_new_initialize():
     assert amp.state_dict() == saved
 
 
+def _loss_scalers_after_wrap(rank, world):
+    model = Pair(1)
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    try:
+        amp._amp_state.loss_scalers  # noqa: B018
+    except AttributeError as exc:
+        return str(exc)
+    return None
+
+
+def test_amp_state_loss_scalers_before_any_initialize_is_refused_by_name():
+    """A script wrapped with distamp.wrap that logs apex's ``_amp_state.loss_scalers[0]`` got an
+    empty list and a bare IndexError (an audit); apex has none before initialize. A fresh
+    process: amp.initialize in this one leaves its scalers registered."""
+    (said,) = run_ranks(_loss_scalers_after_wrap, 1)
+    assert said is not None and "expected amp.initialize(...)" in said
+    assert "distamp.stats(optimizer).loss_scales" in said
+
+
 def test_amp_state_loss_scalers_read_and_set_as_apex_scripts_do():
     """apex-era scripts log ``amp._amp_state.loss_scalers[0].loss_scale()`` and set
     ``_loss_scale`` (NVIDIA's BERT starts at 2**20); the private attribute was missing (an

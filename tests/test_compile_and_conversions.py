@@ -59,6 +59,53 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_
     assert sorted(names) == sorted(net().state_dict())
 
 
+def _blocks_compiled_save_plain_load(rank, world, directory, saved_compiled):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make(compiled_blocks):
+        model = net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = distamp.wrap(
+            model, opt, opt_level="O2", shard_master_weights=True, verbosity=0
+        )
+        if compiled_blocks:  # torchtitan's way: each block compiled, put back in its place
+            for i in (0, 3):
+                model[i] = torch.compile(model[i], backend="eager")
+        return model, opt
+
+    model, opt = make(saved_compiled)
+    ddp = DDP(model)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with distamp.scale_loss(F.mse_loss(ddp(x).float(), torch.zeros(4, 2)), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    distamp.save_checkpoint(directory, ddp, opt)
+    other, other_opt = make(not saved_compiled)
+    distamp.load_checkpoint(directory, other, other_opt)
+    states = [[s.clone() for s in o._distamp.masters.shards] for o in (opt, other_opt)]
+    return [[p.detach().float().clone() for p in m.parameters()] for m in (model, other)], states
+
+
+@pytest.mark.parametrize(
+    "saved_compiled", [True, False], ids=["compiled->plain", "plain->compiled"]
+)
+def test_blocks_compiled_one_by_one_save_the_plain_names(tmp_path, saved_compiled):
+    """Blocks compiled one by one put '_orig_mod.' in the state_dict keys, and their checkpoint
+    was refused by the plain model ("the checkpoint has '0._orig_mod.weight'"); the keys are now
+    the plain model's, as DCP's get_model_state_dict names them, both ways, masters included."""
+    directory = str(tmp_path / "c")
+    out = run_ranks(_blocks_compiled_save_plain_load, 2, directory, saved_compiled, timeout=180)
+    for (trained, loaded), _ in out:
+        for a, b in zip(trained, loaded, strict=True):
+            assert torch.equal(a, b)
+    for _, (saved_shards, loaded_shards) in out:
+        for a, b in zip(saved_shards, loaded_shards, strict=True):
+            assert torch.equal(a, b)
+    assert sorted(distamp.checkpoint.consolidate(directory)) == sorted(net().state_dict())
+
+
 def _register_through_compile(rank, world, compiled):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -34,6 +34,7 @@ from .state import (
     OptimizerView,
     canonical_piece,
     check_plain,
+    checkpoint_key,
     flat_masters,
     flat_starts,
     flat_state,
@@ -44,6 +45,7 @@ from .state import (
     live_state_dict,
     merge_flat_info,
     model_entry,
+    model_state,
     optimizer_views,
     param_names,
     partly_present,
@@ -572,7 +574,7 @@ def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list
             continue
         # By identity, under their state_dict keys (a CheckpointWrapper renames those).
         ids = {id(b) for b in model.buffers()}
-        for key, value in model.state_dict(keep_vars=True).items():
+        for key, value in model_state(model).items():
             if id(value) in ids and not is_dtensor(value):
                 buffers[f"model.{i}.{key}"] = value.detach()
     ignored = target.scaler_group.ddp_ignored() if target.scaler_group is not None else set()
@@ -1069,8 +1071,9 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
         with torch.no_grad():
             for i, model in enumerate(target.models):
                 prefix = f"model.{i}."
+                keys = {checkpoint_key(k): k for k in model.state_dict(keep_vars=True)}
                 model.load_state_dict(
-                    {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)},
+                    {keys[k[len(prefix) :]]: v for k, v in loaded.items() if k.startswith(prefix)},
                     strict=True,
                 )
             for entry, view in zip(manifest["optimizers"], target.views, strict=True):

@@ -101,13 +101,33 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
+def checkpoint_key(key: str) -> str:
+    """A state_dict key as checkpoints name it: without the ``_orig_mod`` segments of blocks
+    compiled one by one (``model.blocks[i] = torch.compile(model.blocks[i])``, torchtitan's
+    way), as DCP's ``get_model_state_dict`` names them, so that a checkpoint of such a model
+    loads into the plain one, and back (an audit: the plain model's load was refused)."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict(keep_vars=True)`` under the checkpoint's keys (:func:`checkpoint_key`)."""
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if out.setdefault(checkpoint_key(key), value) is not value:
+            raise CheckpointError(
+                f"model state_dict keys {key!r} and another one both read "
+                f"{checkpoint_key(key)!r} without torch.compile's '_orig_mod.': expected keys "
+                "that differ by more than that (rename the module attribute named '_orig_mod')"
+            )
+    return out
+
+
 def live_state_dict(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict()`` with every tensor in its live dtype (detached): under O2 the plain
+    """:func:`model_state` with every tensor in its live dtype (detached): under O2 the plain
     ``state_dict()`` reports half tensors as FP32 for apex compatibility, which would double the
     model's bytes in a checkpoint that holds the exact FP32 masters anyway."""
     return {
-        k: v.detach() if isinstance(v, torch.Tensor) else v
-        for k, v in model.state_dict(keep_vars=True).items()
+        k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in model_state(model).items()
     }
 
 
@@ -115,7 +135,7 @@ def param_names(models: list[nn.Module]) -> dict[int, str]:
     """id(param) -> qualified name, as ``distamp.wrap`` names them."""
     names: dict[int, str] = {}
     for i, model in enumerate(models):
-        _name_params(model, i, len(models), model.state_dict(keep_vars=True), names)
+        _name_params(model, i, len(models), model_state(model), names)
     return names
 
 
@@ -130,7 +150,7 @@ def _name_params(
         if isinstance(value, nn.Parameter):
             keyed.setdefault(id(value), key)
     for pname, param in model.named_parameters():
-        pname = keyed.get(id(param), pname)
+        pname = keyed.get(id(param), checkpoint_key(pname))
         into.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
 
 
@@ -144,10 +164,10 @@ def model_entry(
     model's alias missed its FP32 master and ``consolidate`` gave it the half weight (an
     audit: an embedding shared by an encoder and a decoder at O2 came back rounded to bf16)."""
     canonical: dict[int, str] = dict(names or {})
-    state = model.state_dict(keep_vars=True)
+    state = model_state(model)
     _name_params(model, index, n_models, state, canonical)
     aliases = {
-        pname: canonical[id(param)]
+        checkpoint_key(pname): canonical[id(param)]
         for pname, param in model.named_parameters(remove_duplicate=False)
     }
     for key, value in state.items():

@@ -167,6 +167,12 @@ BROADCAST_BUCKET_BYTES = 32 << 20
 """Largest flat buffer :func:`broadcast_from_rank0_` sends at once (DDP's default bucket size)."""
 
 
+def digest(value: torch.Tensor) -> str:
+    """A hash of ``value``'s bits, to compare between ranks (with ``all_gather_object``)."""
+    flat = value.detach().reshape(-1).cpu().contiguous()
+    return hashlib.sha256(bytes(flat.clone().view(torch.uint8).untyped_storage())).hexdigest()
+
+
 def broadcast_from_rank0_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Collective over ``group``: every rank's ``tensors`` take the values of the group's rank 0.
 

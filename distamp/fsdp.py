@@ -676,7 +676,7 @@ def fully_shard(
     # parameter objects (the optimizer's references stay valid), and the weights are whatever
     # the initialization writes — rank 0's are not broadcast (there are none yet).
     if not on_meta:
-        broadcast_from_rank0_(_states_of([model]), group)
+        broadcast_from_rank0_(_states_of([model], {}), group)
 
     def apply(module: nn.Module, properties: Properties) -> nn.Module:
         if api == "fsdp1":

@@ -490,6 +490,9 @@ class ScalerGroup:
         self.fp16_wire = False
         """A distamp hook sends fp16 (all-reduce or reduce-scatter): sums may overflow there."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
+        self.ignored_at_wrap: frozenset[int] = frozenset()
+        """ids on DDP's ignore list when wrap ran: left out of wrap's broadcast of rank 0's
+        values (the others, named later, were not: see :meth:`ddp_ignored`)."""
 
     def ddp_ignored(self) -> frozenset[int]:
         """ids of the parameters DDP leaves out of its reduction because the script named them
@@ -513,6 +516,16 @@ class ScalerGroup:
                     named = set(names)
                     ids |= {id(p) for n, p in model.named_parameters() if n in named}
             self._ignored = (key, frozenset(ids))
+            late = sorted(self.param_names.get(i, "?") for i in ids - self.ignored_at_wrap)
+            if late and self.world > 1 and self.rank == 0:
+                warnings.warn(
+                    f"parameters {late[:4]}{' and more' if len(late) > 4 else ''} were named to "
+                    "DDP's ignore list after distamp.wrap, which gave every rank rank 0's values "
+                    "of them (as DDP does for the parameters it reduces); where they must differ "
+                    "between ranks (an expert per rank), name them to the list before wrap",
+                    stacklevel=2,
+                )
+                self.ignored_at_wrap |= ids
         return self._ignored[1]
 
     def nonfinite_weight(self) -> str | None:

@@ -34,6 +34,7 @@ from .collectives import (
     broadcast_from_rank0_,
     check_same_on_all_ranks,
     checks_on_every_rank,
+    digest,
 )
 from .config import (
     DISABLED_FSDP1_ATTR,
@@ -193,8 +194,11 @@ def wrap(
         )
         if plan.half_dtype is not None or cast_ids:
             _refuse_script_modules(model_list, props)
+        rank_local = ddp_ignored_tensors(model_list)
     check_same_on_all_ranks("distamp.wrap", facts, group)
-    broadcast_from_rank0_(_states_of(model_list), group)
+    if props.shard_master_weights:
+        _refuse_rank_local_in_shards(rank_local, opt_list, group)
+    broadcast_from_rank0_(_states_of(model_list, rank_local), group)
     casting.warn_about_plan(model_list, plan, props)
     _warn_about_eps(opt_list, props)
     _warn_about_state_before_wrap(opt_list, props)
@@ -233,6 +237,7 @@ def wrap(
         _recast_half_state(inner_optimizer(opt) or opt)
     scalers = ScalerGroup(props, group, names, template)
     scalers.models = [weakref.ref(m) for m in model_list]
+    scalers.ignored_at_wrap = frozenset(rank_local)
     scalers.frozen_at_wrap = {
         id(p) for m in model_list for p in m.parameters() if not p.requires_grad
     }
@@ -455,9 +460,11 @@ def _unscale_before_wrapper_steps(wrapper: Any) -> None:
         )
 
 
-def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``models`` once (tied ones once), in a fixed order."""
-    seen: set[int] = set()
+def _states_of(models: list[nn.Module], rank_local: dict[int, str]) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``models`` once (tied ones once), in a fixed order, but the
+    ones DDP's ignore list names (``rank_local``): DDP leaves those as each rank has them (an
+    expert per rank), and so does wrap's broadcast (an audit: every rank got rank 0's expert)."""
+    seen: set[int] = set(rank_local)
     out: list[torch.Tensor] = []
     for model in models:
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -465,6 +472,51 @@ def _states_of(models: list[nn.Module]) -> list[torch.Tensor]:
                 seen.add(id(tensor))
                 out.append(tensor.data)
     return out
+
+
+def ddp_ignored_tensors(models: list[nn.Module]) -> dict[int, str]:
+    """id -> name of the parameters and buffers named to DDP's ignore list
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) on ``models``."""
+    out: dict[int, str] = {}
+    for model in models:
+        names = set(getattr(model, "_ddp_params_and_buffers_to_ignore", None) or ())
+        if names:
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name in names:
+                    out.setdefault(id(tensor), name)
+    return out
+
+
+def _refuse_rank_local_in_shards(
+    rank_local: dict[int, str], opts: list[torch.optim.Optimizer], group: dist.ProcessGroup | None
+) -> None:
+    """Collective when a parameter DDP ignores is stepped: refuse sharded masters where such
+    parameters hold other values on other ranks (experts). Each rank steps its shard of the
+    one flat buffer, and the gather stitched one rank's expert into another's, silently (an
+    audit); where the values agree (a replicated layer the script reduces itself) it works."""
+    stepped = {id(p) for opt in opts for g in opt.param_groups for p in g["params"]}
+    named = sorted((name, i) for i, name in rank_local.items() if i in stepped)
+    if not named or group is None or dist.get_world_size(group) == 1:
+        return
+    tensors = {id(t): t for opt in opts for g in opt.param_groups for t in g["params"]}
+    mine = {name: digest(tensors[i]) for name, i in named}
+    seen: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    apart = [
+        (name, [r for r, other in enumerate(seen) if other and other[name] != d])
+        for name, d in mine.items()
+    ]
+    apart = [(name, ranks) for name, ranks in apart if ranks]
+    if apart:
+        listed = ", ".join(f"{name!r} (other on ranks {ranks})" for name, ranks in apart[:4])
+        raise ValueError(
+            f"distamp.wrap: parameters DDP was told to ignore hold other values on other ranks "
+            f"than on rank {dist.get_rank(group)}: {listed}{' and more' if len(apart) > 4 else ''}"
+            "; expected the same values on every rank with shard_master_weights=True (each rank "
+            "steps 1/N of one flat FP32 buffer, which cannot hold a rank's own expert): pass "
+            "shard_master_weights=False, or keep rank-local parameters in an optimizer of their "
+            "own, wrapped with shard_master_weights=False"
+        )
 
 
 def _warn_about_state_before_wrap(

@@ -6,7 +6,6 @@ See [Note: canonical checkpoint layout] (state.py) for what is stored and
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import shutil
@@ -21,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
+from ..collectives import digest
 from ..config import disabled_group, disabled_properties
 from ..masters.layout import slice_state
 from ..masters.optimizer import inner_optimizer
@@ -584,18 +584,13 @@ def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list
         for p in model.parameters()
         if id(p) in ignored
     }
-    digests = {("buffer", k): _digest(v) for k, v in buffers.items()}
-    digests |= {("param", k): _digest(v) for k, v in params.items()}
+    digests = {("buffer", k): digest(v) for k, v in buffers.items()}
+    digests |= {("param", k): digest(v) for k, v in params.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)
     apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
     own = {k: buffers[k] for kind, k in sorted(apart) if kind == "buffer"}
     return own, [k for kind, k in sorted(apart) if kind == "param"]
-
-
-def _digest(value: torch.Tensor) -> str:
-    flat = value.detach().reshape(-1).cpu().contiguous()
-    return hashlib.sha256(bytes(flat.clone().view(torch.uint8).untyped_storage())).hexdigest()
 
 
 def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import disabled_properties
-from ..masters.layout import SCALAR_STATE
+from ..masters.layout import SCALAR_STATE, detached_dense
 from ..masters.optimizer import AmpOptimizer, AmpOptimizerState
 from ..masters.replicated import MasterParams
 from ..masters.sharded import ShardedMasterParams
@@ -317,7 +317,7 @@ def flat_state(
                         pieces[key] = torch.zeros(
                             layout.shard_size, dtype=value.dtype, device=device
                         )
-                    pieces[key][a:b] = value.detach()
+                    pieces[key][a:b] = detached_dense(value)
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:
                     # A user's optimizer with fixed-size state (a (3,) history) on sharded
                     # masters: read back into other slices' places, silently (an audit).
@@ -347,7 +347,7 @@ def flat_state(
         for master in flat.masters:
             value = opt.state.get(master, {}).get(key)
             pieces_full.append(
-                value.detach().reshape(-1)
+                detached_dense(value).reshape(-1)
                 if isinstance(value, torch.Tensor) and value.shape == master.shape
                 else torch.zeros(master.numel(), dtype=_state_dtype(opt, flat.masters, key))
             )
@@ -484,7 +484,7 @@ def kept_state(
     tensors, scalars = {}, {}
     for key, value in opt.state.get(tensor, {}).items():
         if isinstance(value, torch.Tensor) and value.shape == tensor.shape and value.dim() > 0:
-            tensors[key] = value.detach()
+            tensors[key] = detached_dense(value)
         else:
             scalars[key] = _plain_scalar(value)
     return tensors, scalars

@@ -183,6 +183,14 @@ SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
 when it is not element-wise."""
 
 
+def detached_dense(value: torch.Tensor) -> torch.Tensor:
+    """``value`` detached, and dense where it is sparse: SGD's momentum for a sparse gradient
+    (``nn.Embedding(sparse=True)``) is a sparse tensor, which DCP cannot write nor a flat buffer
+    hold (an audit: such a checkpoint failed at every opt_level). torch's optimizers take the
+    dense buffer back: ``buf.mul_(m).add_(sparse_grad)`` moves the same rows."""
+    return value.detach().to_dense() if value.layout != torch.strided else value.detach()
+
+
 def slice_state(
     state: dict[str, Any], param: nn.Parameter, start: int, count: int, group: int
 ) -> dict[str, Any]:
@@ -198,7 +206,7 @@ def slice_state(
             and value.shape == param.shape
             and (value.dim() > 0 or key not in SCALAR_STATE)
         ):  # a 0-dim parameter's element-wise state is 0-dim too: its slice is (1,)
-            out[key] = value.detach().reshape(-1)[start : start + count].clone()
+            out[key] = detached_dense(value).reshape(-1)[start : start + count].clone()
         elif isinstance(value, torch.Tensor) and value.numel() == 1:
             out[key] = value.detach().clone()
         elif isinstance(value, torch.Tensor):

@@ -367,7 +367,10 @@ def add_check_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check-args",
         action="store_true",
-        help="check the arguments and exit (0: they are fine, 2: refused, as argparse does)",
+        help="check the arguments and exit (0: they are fine, 2: refused, as argparse does); "
+        "the locks of --run-dir and --ckpt-dir (another run using them) are tried only with "
+        "DISTAMP_CHECK_RUN_LOCKS=1 in the environment, as launch/run.sh, run_fsdp.sh and "
+        "elastic.sh set it, not when given by hand",
     )
 
 

@@ -5,8 +5,19 @@
 #   NPROC            ranks on this node (default: one per GPU, else 2)
 #   OMP_NUM_THREADS  the cores split between the ranks (1 each when there are at least as many
 #                    ranks as cores); a value set by the caller wins
+#   MASTER_PORT      run.sh, run_fsdp.sh, elastic.sh: the port of the rendezvous store on
+#                    127.0.0.1 (a port from 1 to 65535, free); unset: torchrun --standalone picks
+#                    a free one. multinode.sh: --master HOST:PORT (default 29500)
+# -h/--help anywhere in the arguments: the example's help, without scripts/setup.sh first (an
+# audit: `run.sh --help` ran a pip install before printing it); check_args answers it.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
+WANTS_HELP=0
+for arg in "$@"; do  # sourced without arguments: the launch script's own
+    if [[ "$arg" == -h || "$arg" == --help ]]; then
+        WANTS_HELP=1
+    fi
+done
+if [[ "${SKIP_SETUP:-0}" != 1 && "$WANTS_HELP" == 0 ]]; then
     bash scripts/setup.sh
 fi
 PY=${PYTHON:-python3}
@@ -17,6 +28,11 @@ if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]]; the
 fi
 if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     echo "--nproc / NPROC: expected a whole number of ranks >= 1, got '$NPROC'" >&2
+    exit 2
+fi
+if [[ -n "${MASTER_PORT:-}" ]] && { [[ ! "$MASTER_PORT" =~ ^[0-9]{1,5}$ ]] \
+    || (( 10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535 )); }; then
+    echo "MASTER_PORT: expected a port number from 1 to 65535, got '$MASTER_PORT'" >&2
     exit 2
 fi
 if ! "$PY" -c 'import torch' 2>/dev/null; then  # a bare traceback said neither which Python nor why
@@ -52,4 +68,37 @@ check_args() {
     # node's rank 0 of the same job may hold them already.
     LOCAL_WORLD_SIZE=$NPROC DISTAMP_CHECK_RUN_LOCKS=${CHECK_RUN_LOCKS:-1} \
         "$PY" "$@" --check-args || exit 2  # LOCAL_WORLD_SIZE: the ranks this node will run
+}
+
+# port_taken PORT: prints why PORT cannot be bound here and succeeds when it is taken. Bound as
+# torchrun's rendezvous store binds it (SO_REUSEADDR): one in use failed ~13 s later in a torchrun
+# traceback (EADDRINUSE; an audit).
+port_taken() {
+    ! "$PY" - "$1" <<'PYEOF'
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    print(e.strerror or e)
+    sys.exit(1)
+PYEOF
+}
+
+# one_node_rdzv: the one-node scripts' rendezvous, in ONE_NODE_RDZV: torchrun --standalone (a free
+# port of its choosing), or, with MASTER_PORT, a c10d store this agent hosts on
+# 127.0.0.1:MASTER_PORT, checked free first. is_host=1: when the port was taken, torch's own guess
+# fell back to joining whatever store held it as a client (c10d_rendezvous_backend's
+# _create_tcp_store).
+one_node_rdzv() {
+    ONE_NODE_RDZV=(--standalone)
+    [[ -n "${MASTER_PORT:-}" ]] || return 0
+    local port=$((10#$MASTER_PORT)) in_use
+    if in_use=$(port_taken "$port"); then
+        echo "MASTER_PORT: expected port $port free on 127.0.0.1 (the rendezvous store binds it)," \
+            "found: $in_use — another job holds it; pick another port or unset MASTER_PORT" >&2
+        exit 2
+    fi
+    ONE_NODE_RDZV=(--rdzv-backend=c10d --rdzv-endpoint="127.0.0.1:$port" --rdzv-conf=is_host=1)
 }

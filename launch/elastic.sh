@@ -21,5 +21,6 @@ fi
 set -- examples/train_gpt.py --threads "$OMP_NUM_THREADS" --ckpt-dir "$CKPT" --run-dir "$CKPT" \
     --save-every 10 --resume auto --fail-at-step "${FAIL_AT:-25}" "$@"
 check_args "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+one_node_rdzv
+exec "$PY" -m torch.distributed.run "${ONE_NODE_RDZV[@]}" --nproc_per_node="$NPROC" \
     --max-restarts="${MAX_RESTARTS:-2}" "$@"

@@ -171,19 +171,8 @@ if [[ -n "$RDZV_ID" ]]; then
 else
     RDZV=(--node-rank="$NODE_RANK" --master-addr="$MASTER_IP" --master-port="$MASTER_PORT"
           --max-restarts="${MAX_RESTARTS:-0}")
-    # Node rank 0 hosts the store on --master's port: one in use failed ~13 s later in a
-    # torchrun traceback (EADDRINUSE; an audit). Bound as the store binds (SO_REUSEADDR).
-    if (( 10#$NODE_RANK == 0 )) && ! in_use=$("$PY" - "$MASTER_PORT" <<'PYEOF'
-import socket, sys
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-try:
-    s.bind(("", int(sys.argv[1])))
-except OSError as e:
-    print(e.strerror or e)
-    sys.exit(1)
-PYEOF
-    ); then
+    # Node rank 0 hosts the store on --master's port (port_taken: launch/common.sh).
+    if (( 10#$NODE_RANK == 0 )) && in_use=$(port_taken "$MASTER_PORT"); then
         echo "multinode.sh: --master $MASTER_ADDR:$MASTER_PORT: expected the port free on node rank 0" \
             "(it hosts the rendezvous store there), found: $in_use — another job holds it; pick another port" >&2
         exit 2

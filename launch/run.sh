@@ -22,4 +22,5 @@ if [[ $# -eq 0 ]]; then
 fi
 set -- examples/train_gpt.py --threads "$OMP_NUM_THREADS" "$@"
 check_args "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"
+one_node_rdzv
+exec "$PY" -m torch.distributed.run "${ONE_NODE_RDZV[@]}" --nproc_per_node="$NPROC" "$@"

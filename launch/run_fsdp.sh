@@ -7,4 +7,5 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 set -- examples/train_gpt_fsdp.py --threads "$OMP_NUM_THREADS" "$@"
 check_args "$@"
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"
+one_node_rdzv
+exec "$PY" -m torch.distributed.run "${ONE_NODE_RDZV[@]}" --nproc_per_node="$NPROC" "$@"

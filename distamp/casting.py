@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import fnmatch
 import inspect
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -271,7 +271,9 @@ class AmpModule(nn.Module):
             "distamp.checkpoint.consolidate for FP32 ones)"
         )
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, user_forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``forward`` (``user_forward``, the class's: see [Note: a class-level mixin
+        for ABC-first models]) with the opt_level's casts and autocast around it."""
         policy = type(self)._distamp_policy
         probes = self.__dict__.get("_distamp_dtype_probes")
         input_dtype = policy.input_dtype
@@ -289,9 +291,9 @@ class AmpModule(nn.Module):
         off = not torch.compiler.is_compiling() and casts_off(policy.device_type)
         if policy.autocast_dtype is not None and not off:
             with torch.autocast(policy.device_type, dtype=policy.autocast_dtype):
-                output = super().forward(*args, **kwargs)
+                output = user_forward(self, *args, **kwargs)
         else:
-            output = super().forward(*args, **kwargs)
+            output = user_forward(self, *args, **kwargs)
         if policy.output_dtype is not None:
             output = cast_floating(output, policy.output_dtype)
         return output
@@ -377,7 +379,7 @@ class FP32NormModule(nn.Module):
 
     _distamp_output_dtype: ClassVar[torch.dtype | None] = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, user_forward: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         first = _first_floating(args, kwargs)
         incoming = first.dtype if first is not None else type(self)._distamp_output_dtype
         # FP32 in the wrapped model (check_dtypes holds it there); a converted copy's own dtype
@@ -395,9 +397,9 @@ class FP32NormModule(nn.Module):
         # (an audit).
         if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
             with torch.autocast(device, enabled=False):
-                output = super().forward(*args, **kwargs)
+                output = user_forward(self, *args, **kwargs)
         else:
-            output = super().forward(*args, **kwargs)
+            output = user_forward(self, *args, **kwargs)
         if incoming is not None and incoming != own:
             output = cast_floating(output, incoming)
         return output
@@ -426,20 +428,42 @@ def _subclass(cls: type[nn.Module], mixin: type[nn.Module], attrs: dict[str, Any
         **attrs,
     }
     if "forward" in mixin.__dict__:
-        namespace["forward"] = _forward_with_signature(mixin.forward, cls.forward)
-    return type(cls.__name__, (mixin, cls), namespace)
+        namespace["forward"] = _forward_with_signature(mixin.forward, cls)
+    return type(cls.__name__, (_mixin_for(cls, mixin), cls), namespace)
 
 
-def _forward_with_signature(mixin_forward: Any, user_forward: Any) -> Any:
-    """``mixin_forward`` under the signature and doc of the user's ``forward``.
+def _mixin_for(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
+    """``mixin``, or where ``cls`` derives from a class without a ``__dict__`` before
+    ``nn.Module`` (``class Base(ABC, nn.Module)``, torch's QAT fake-quantize modules), a subclass
+    of that class and ``mixin``.
+
+    [Note: a class-level mixin for ABC-first models] Python lets ``__class__`` be assigned only
+    between classes whose chains of ``__base__`` end alike: the generated class's runs through
+    the mixin to ``object``, the model's through ``ABC`` ("__class__ assignment: 'Net' object
+    layout differs from 'Net'" at wrap, at every opt_level; an audit). Led by that class the
+    mixin's chain ends as the model's. The mixin may then follow the model's class in the order
+    methods are looked up: the generated class's forward calls the mixin's with the model's
+    class's forward, which the mixin calls instead of ``super().forward``."""
+    anchor: type = cls
+    while anchor.__base__ is not None and anchor.__base__.__dictoffset__ != 0:
+        anchor = anchor.__base__
+    base = anchor.__base__
+    if base is None or base is object:
+        return mixin
+    return type(mixin.__name__, (base, mixin), {"__module__": mixin.__module__})
+
+
+def _forward_with_signature(mixin_forward: Any, cls: type[nn.Module]) -> Any:
+    """``mixin_forward`` around ``cls.forward`` (read at each call), under its signature and doc.
 
     Hugging Face's Trainer keeps only the dataset columns named in
     ``inspect.signature(model.forward)``; the mixin's ``(*args, **kwargs)`` made it drop them
     all ("The batch received was empty"; an audit)."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return mixin_forward(self, *args, **kwargs)
+        return mixin_forward(self, cls.forward, *args, **kwargs)
 
+    user_forward = cls.forward
     forward.__doc__ = getattr(user_forward, "__doc__", None)
     forward.__qualname__ = getattr(user_forward, "__qualname__", "forward")
     try:

@@ -1,5 +1,6 @@
 """What wrap does to a model at each opt_level: dtypes, forward casts, autocast in any thread."""
 
+import abc
 import copy
 import math
 import threading
@@ -189,6 +190,80 @@ def test_a_wrapped_model_pickles_and_its_copy_keeps_the_forward(level):
             copied.load_state_dict({k: v * 0 for k, v in copied.state_dict().items()})
             after = [m.detach() for g in opt.param_groups for m in g["params"]]
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+class _AbstractNet(abc.ABC, nn.Module):  # ABC first: many research codebases' base class
+    @abc.abstractmethod
+    def forward(self, x): ...
+
+
+class _ConcreteNet(_AbstractNet):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_model_deriving_from_abc_before_module_is_wrapped(level):
+    """``class Base(ABC, nn.Module)`` could not take distamp's class ("__class__ assignment:
+    'Net' object layout differs from 'Net'" at wrap, every opt_level; an audit). Now it runs as
+    the plain model under torch.autocast would (O1) or in the half dtype (O2/O3), pickles and
+    compiles."""
+    import io
+
+    torch.manual_seed(0)
+    model = distamp.wrap(_ConcreteNet(), opt_level=level, verbosity=0)
+    assert isinstance(model, _ConcreteNet)
+    x = torch.randn(2, 8)
+    out = model(x)
+    if level == "O1":
+        torch.manual_seed(0)
+        plain = _ConcreteNet()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(out, plain(x))
+    else:
+        assert model.fc.weight.dtype == torch.bfloat16 and out.dtype == torch.float32
+        assert model.ln.weight.dtype == (torch.float32 if level == "O2" else torch.bfloat16)
+    for copied in (_saved_and_loaded(model, io.BytesIO()), copy.deepcopy(model)):
+        assert torch.equal(copied(x), out)
+    assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), out)
+
+
+def test_qat_fake_quantize_modules_take_o2():
+    """torch's QAT modules hold fake-quantize observers (``ABC`` before ``nn.Module``, FP32
+    buffers, no parameters: kept FP32 like a rotary table), and O2's wrap failed on them with
+    the same layout error (an audit). They now run in FP32 on the bf16 weight and train."""
+    import torch.ao.nn.qat as nnqat
+    from torch.ao.quantization import get_default_qat_qconfig
+
+    torch.manual_seed(0)
+    qconfig = get_default_qat_qconfig("x86")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nnqat.Linear(8, 4, qconfig=qconfig))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    assert model[2].weight_fake_quant.scale.dtype == torch.float32
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    losses = []
+    for _ in range(5):
+        with distamp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+            losses.append(scaled.item())
+        opt.step()
+        opt.zero_grad()
+    assert distamp.stats(opt).skipped_steps == 0 and losses[-1] < losses[0]
+
+
+def test_a_norm_layer_wrapped_alone_runs_its_own_forward():
+    """The model is itself a norm layer kept FP32: its class carries both of distamp's forwards,
+    each calling the forward of the class it was put in front of (not itself again)."""
+    model = distamp.wrap(nn.LayerNorm(8), opt_level="O2", verbosity=0)
+    x = torch.randn(2, 8)
+    expected = torch.nn.functional.layer_norm(x.bfloat16().float(), (8,)).bfloat16().float()
+    assert torch.equal(model(x), expected)  # in as bf16, computed in FP32, out through bf16
 
 
 def test_pickling_or_copying_the_wrapped_optimizer_says_to_save_its_state_dict():

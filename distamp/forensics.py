@@ -33,6 +33,10 @@ class NonFiniteReport:
     """Every rank's own gradient of ``param`` was finite; the non-finite values appeared where
     distamp's reduce-scatter hook summed them into the shards: the 16-bit wire overflowed
     (``rank`` is then the lowest rank whose shard holds them)."""
+    origin: int | None = None
+    """``on_every_rank``: the lowest rank whose *own* gradients (before DDP's all-reduce) held a
+    non-finite value, where it was watched: at the steps after a skip whose origin was not known
+    (see [Note: watching for the origin after a skip] in scaler.py)."""
     fp16_wire: bool = False
     """``on_every_rank`` with distamp's all-reduce hook in fp16: the sum may have overflowed on
     the wire (65504) with every rank's own gradient finite; which of the two is not known."""
@@ -70,6 +74,12 @@ class NonFiniteReport:
                 "every rank's own gradient finite: the 16-bit wire overflowed (fp16 ends at "
                 "65504; a bf16 wire keeps FP32's range)"
             )
+        if self.on_every_rank and self.origin is not None:
+            return (
+                f"parameter {self.param!r} had {article} gradient on every rank after the "
+                f"gradients' all-reduce, which brought it from rank {self.origin}'s own "
+                "gradients (the lowest rank whose own held a non-finite value before it)"
+            )
         if self.on_every_rank:
             wire = (
                 "; or the fp16 wire overflowed in that all-reduce, every rank's own gradient "
@@ -80,7 +90,7 @@ class NonFiniteReport:
             return (
                 f"parameter {self.param!r} had {article} gradient on every rank (after the "
                 f"gradients' all-reduce every rank holds it: the rank it came from is not "
-                f"known{wire})"
+                f"known{wire}; the next skipped steps name it)"
             )
         if self.fp16_wire:  # one rank: its hook casts to fp16 all the same
             return (
@@ -95,7 +105,7 @@ class NonFiniteGradientError(RuntimeError):
     """Raised instead of skipping forever: too many consecutive skips, or a skip at the floor."""
 
 
-EVIDENCE_SLOTS = 3
+EVIDENCE_SLOTS = 4
 """Slots of the skip decision's vector that carry the evidence (see :func:`local_evidence`)."""
 
 
@@ -106,8 +116,10 @@ def local_evidence(
     named_grads: Callable[[], Sequence[tuple[str, torch.Tensor | None]]],
     rank: int,
     world: int,
+    origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This rank's evidence for the skip decision's MAX all-reduce: float64 [loss, grad, index].
+    """This rank's evidence for the skip decision's MAX all-reduce: float64 [loss, grad, index,
+    origin].
 
     [Note: the evidence rides with the decision] DESIGN asks for one small collective per step
     for the skip decision, skipped steps included; naming the first non-finite gradient used to
@@ -119,9 +131,13 @@ def local_evidence(
     with its kind in the last base-3 digit; ``index`` is the highest first position over the
     ranks, which equals the lowest one exactly when every rank held it. A rank whose own flag is
     clean reads nothing (one host read of ``local_flag``; ``named_grads`` is not even called, so
-    a clean step builds no list); float64 keeps the codes exact.
+    a clean step builds no list); float64 keeps the codes exact. ``origin`` (watched: nonzero
+    when this rank's own gradients held a non-finite value before any reduction) gives
+    ``world - rank``, whose MAX names the lowest such rank.
     """
-    evidence = torch.tensor([0.0, 0.0, float(count)], dtype=torch.float64)
+    evidence = torch.tensor([0.0, 0.0, float(count), 0.0], dtype=torch.float64)
+    if origin is not None and float(origin) > 0:
+        evidence[3] = float(world - rank)
     if not float(local_flag.max()) > 0:
         return evidence
     blocks = max(1, len(loss_kinds))
@@ -158,7 +174,7 @@ def read_evidence(
     ``ShardedMasterParams.reduced_grads``); under ``fsdp`` every gradient is a shard FSDP
     reduced. ``own_rank``: where ranks list other parameters (distamp.GradScaler over a
     pipeline's stages), only the culprit rank names its own; None: every rank lists the same."""
-    loss_code, grad_code, highest = (int(v) for v in evidence)
+    loss_code, grad_code, highest, origin = (int(v) for v in evidence)
     if loss_code:
         blocks = max(1, len(loss_ids))
         where, kind = divmod(loss_code, 3)
@@ -190,6 +206,7 @@ def read_evidence(
             rank=world - 1 - rank_part,
             kind="nan" if kind == 2 else "inf",
             on_every_rank=world > 1 and highest == index,
+            origin=world - origin if world > 1 and highest == index and origin else None,
             after_reduce=reduced_from is not None and index >= reduced_from and not fsdp,
             in_fsdp_shard=fsdp,
         )

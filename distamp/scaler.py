@@ -490,6 +490,9 @@ class ScalerGroup:
         self.fp16_wire = False
         """A distamp hook sends fp16 (all-reduce or reduce-scatter): sums may overflow there."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
+        self.origin_watch: torch.Tensor | None = None
+        """Set after a skip whose report could not name the rank (see [Note: watching for the
+        origin after a skip]): whether this rank's own gradients held a non-finite value."""
         self.ignored_at_wrap: frozenset[int] = frozenset()
         """ids on DDP's ignore list when wrap ran: left out of wrap's broadcast of rank 0's
         values (the others, named later, were not: see :meth:`ddp_ignored`)."""
@@ -892,7 +895,7 @@ class ScalerGroup:
 
             loss_kinds = [b.loss_kind for b in undecided]
             evidence_here = local_evidence(
-                slots, loss_kinds, n_params, named, self.rank, self.world
+                slots, loss_kinds, n_params, named, self.rank, self.world, self.origin_watch
             )
             parts.append(evidence_here.to(device))
             # 2: gradients a backward added after DDP reduced them; 1: edited before unscale_
@@ -1012,6 +1015,19 @@ class ScalerGroup:
                 # one rank: the hook still casts its gradients to FP16 (an audit: a finite
                 # gradient the wire overflowed was named the rank's own)
                 report = dataclasses.replace(report, fp16_wire=True)
+            # [Note: watching for the origin after a skip] After DDP's all-reduce every rank
+            # holds the summed gradient, so a non-finite one names no rank (DESIGN asks for the
+            # rank; an audit: a NaN made on rank 1 read "on every rank ... not known", pointing
+            # at the fp16 wire). Watching each rank's own gradients costs a pass over them per
+            # backward, so it starts only after such a skip: each gradient is checked where it
+            # is accumulated, before DDP sees it (backward_reached), and the next decisions name
+            # the lowest rank whose own held one (local_evidence). A clean step ends it.
+            watch = report is not None and report.on_every_rank and report.loss_id is None
+            self.origin_watch = (
+                torch.zeros((), dtype=torch.bool, device=device)
+                if watch and self.world > 1
+                else None
+            )
             st.decision_report = report
             for block in undecided:
                 block.report = report

@@ -110,6 +110,53 @@ def test_the_rank_a_nan_came_from_is_named_or_said_to_be_unknown():
         assert "on every rank" in str(report) and "is not known" in str(report), str(report)
 
 
+def nan_grads_then_clean(rank, world, register, culprit):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, max_consecutive_skips=4)
+    ddp = DDP(model)
+    if register:
+        distamp.hooks.register(ddp, opt)  # the all-reduce hook: every rank holds the sum
+    fault = {"on": rank == culprit}
+    list(model.parameters())[-1].register_hook(lambda g: g * float("nan") if fault["on"] else g)
+    reports, watching = [], []
+    for step, (x, y) in enumerate(data(5, 4 * world)):
+        fault["on"] = rank == culprit and step < 2
+        with distamp.scale_loss(F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4]), opt) as sc:
+            sc.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = distamp.stats(opt)
+        reports.append(str(stats.last_nonfinite) if stats.last_step_skipped else None)
+        watching.append(opt._distamp.group.origin_watch is not None)
+    fault["on"] = rank == culprit
+    with pytest.raises(distamp.NonFiniteGradientError) as err:
+        for x, y in data(4, 4 * world):
+            with distamp.scale_loss(F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4]), opt) as sc:
+                sc.backward()
+            opt.step()
+            opt.zero_grad()
+    return reports, watching, str(err.value)
+
+
+@pytest.mark.parametrize("register", [False, True], ids=["DDP's all-reduce", "distamp's hook"])
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, culprit):
+    """Through an all-reduce every rank holds the NaN, and the rank was "not known" (an audit:
+    the error after max_consecutive_skips named no rank, where DESIGN asks for it). After such a
+    skip each rank watches its own gradients before DDP sees them: the next skips, and the
+    error, name the culprit; a clean step ends the watch."""
+    for reports, watching, error in run_ranks(
+        nan_grads_then_clean, 2, register, culprit, timeout=120
+    ):
+        assert reports[0] is not None and "is not known" in reports[0], reports
+        assert "the next skipped steps name it" in reports[0]
+        assert reports[1] is not None and f"from rank {culprit}'s own gradients" in reports[1]
+        assert reports[2:] == [None, None, None]
+        assert watching == [True, True, False, False, False]
+        assert f"from rank {culprit}'s own gradients" in error, error
+
+
 def collectives_per_step(rank, world, reduce_scatter):
     """All-reduces issued inside optimizer.step() on a clean, a grad-overflow and a NaN-loss
     step, with what the skipped steps named; faults on rank 1 only (rank 0 holds no evidence)."""

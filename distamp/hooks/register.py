@@ -163,6 +163,9 @@ def register(
     st.group.hooked_ignored |= {
         id(p) for n, p in ddp_model.module.named_parameters() if n in ignored
     }
+    # DDP puts delay_all_reduce_named_params on that list too, and reduces them itself: not
+    # rank-local, nothing to warn about (see ScalerGroup.ddp_ignored; a review: it warned).
+    st.group.ignored_at_wrap |= {id(p) for p in getattr(ddp_model, "_delay_all_reduce_params", ())}
     # DDP's reducer holds the parameters that required grad when it was built (just before).
     built = st.group.frozen_when_built = st.group.frozen_when_built or set()
     for p in ddp_model.parameters():

@@ -16,6 +16,8 @@ import copy
 import dataclasses
 import fnmatch
 import inspect
+import types
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -447,10 +449,14 @@ def _mixin_for(cls: type[nn.Module], mixin: type[nn.Module]) -> type:
     anchor: type = cls
     while anchor.__base__ is not None and anchor.__base__.__dictoffset__ != 0:
         anchor = anchor.__base__
-    base = anchor.__base__
+    base: Any = anchor.__base__
     if base is None or base is object:
         return mixin
-    return type(mixin.__name__, (base, mixin), {"__module__": mixin.__module__})
+    if base is typing.Generic:  # class Net(Generic[T], nn.Module): bare Generic is refused
+        base = typing.Generic[typing.TypeVar("T")]
+    return types.new_class(
+        mixin.__name__, (base, mixin), exec_body=lambda ns: ns.update(__module__=mixin.__module__)
+    )
 
 
 def _forward_with_signature(mixin_forward: Any, cls: type[nn.Module]) -> Any:

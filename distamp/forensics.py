@@ -201,12 +201,14 @@ def read_evidence(
             if mine and 0 <= index < len(entries)
             else f"parameter #{index} of rank {culprit}'s optimizer"
         )
+        everywhere = world > 1 and highest == index
+        came_from = world - origin if everywhere and origin else None
         return NonFiniteReport(
             param=name,
-            rank=world - 1 - rank_part,
+            rank=world - 1 - rank_part if came_from is None else came_from,
             kind="nan" if kind == 2 else "inf",
-            on_every_rank=world > 1 and highest == index,
-            origin=world - origin if world > 1 and highest == index and origin else None,
+            on_every_rank=everywhere,
+            origin=came_from,
             after_reduce=reduced_from is not None and index >= reduced_from and not fsdp,
             in_fsdp_shard=fsdp,
         )

@@ -1006,9 +1006,14 @@ class ScalerGroup:
                 # The evidence counts ranks within wrap's process_group: named as the global
                 # rank (an audit, two groups of 2 at world 4: "rank 1" meant global rank 3).
                 group = self.process_group
+
+                def global_rank(r: int) -> int:
+                    return r if group is None else dist.get_global_rank(group, r)
+
                 report = dataclasses.replace(
                     report,
-                    rank=report.rank if group is None else dist.get_global_rank(group, report.rank),
+                    rank=global_rank(report.rank),
+                    origin=None if report.origin is None else global_rank(report.origin),
                     fp16_wire=self.fp16_all_reduce and report.on_every_rank,
                 )
             elif report is not None and self.fp16_all_reduce:

@@ -195,6 +195,8 @@ def wrap(
         if plan.half_dtype is not None or cast_ids:
             _refuse_script_modules(model_list, props)
         rank_local = ddp_ignored_tensors(model_list)
+        # (the same on every rank, as DDP needs: _refuse_rank_local_in_shards gathers by them)
+        facts.append(("DDP's ignore list", str(sorted(rank_local.values()))))
     check_same_on_all_ranks("distamp.wrap", facts, group)
     if props.shard_master_weights:
         _refuse_rank_local_in_shards(rank_local, opt_list, group)
@@ -503,7 +505,7 @@ def _refuse_rank_local_in_shards(
     seen: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, mine, group=group)
     apart = [
-        (name, [r for r, other in enumerate(seen) if other and other[name] != d])
+        (name, [r for r, other in enumerate(seen) if other and other.get(name) != d])
         for name, d in mine.items()
     ]
     apart = [(name, ranks) for name, ranks in apart if ranks]

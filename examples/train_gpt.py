@@ -794,6 +794,22 @@ def precision_of(info: dict) -> tuple[str | None, str | None]:
     return (level if level in ("O0", "O1", "O2", "O3") else None), half
 
 
+def _slow_half(
+    device: torch.device,
+    level: str,
+    half: str,
+    bf16_units: bool,
+    advice: str = "--opt-level O0",
+) -> str:
+    """ "; ..." when ``level`` computes in a half dtype this CPU has no fast matmul for (fp16
+    anywhere on a CPU, bf16 without bf16 units), else "" (an audit: an explicit --opt-level O2
+    ran 2-3x slower than O0 at a tiny size, unsaid)."""
+    if device.type == "cuda" or level == "O0" or (half != "fp16" and bf16_units):
+        return ""
+    name = "fp16" if half == "fp16" else "bf16"
+    return f"; {name} matmul runs ~100x slower than FP32 on this CPU ({advice} trains in FP32)"
+
+
 def pick_opt_level(
     requested: str,
     device: torch.device,
@@ -814,8 +830,10 @@ def pick_opt_level(
     opt_level of the checkpoint the run resumes from, which auto keeps (a requeue onto another
     CPU kind could not load it otherwise: load_checkpoint refuses another opt_level);
     ``resume_half``: its cast weights' dtype ('fp16'/'bf16'), which the run keeps."""
-    if requested != "auto":
-        return requested, ""
+    if requested != "auto":  # the level asked for; said when 16-bit compute is slow here
+        units = cpu_has_bf16() if bf16_units is None else bf16_units
+        slow = _slow_half(device, requested, half_dtype, units)
+        return requested, f" ({slow.removeprefix('; ')})" if slow else ""
     if resume_level is not None and device.type != "cuda":
         level, why = pick_opt_level(
             "auto",
@@ -838,13 +856,8 @@ def pick_opt_level(
                 "reduce-scattered in bf16, updates gathered in bf16 while the next forward runs"
             )
         units = cpu_has_bf16() if bf16_units is None else bf16_units
-        slow = ""
-        if resume_level != "O0" and (half == "fp16" or not units):
-            slow = (
-                f"; {'fp16' if half == 'fp16' else 'bf16'} matmul runs ~100x slower than "
-                "FP32 on this CPU (--resume none, or --opt-level O0 with another --ckpt-dir, "
-                "trains in FP32)"
-            )
+        advice = "--resume none, or --opt-level O0 with another --ckpt-dir,"
+        slow = _slow_half(device, resume_level, half, units, advice)
         return resume_level, f" (auto: the level of the checkpoint resumed from{layout}{slow})"
     if fsdp:
         zero = f"FSDP2 shards the FP32 parameters and AdamW state over {world_size} rank(s)"
@@ -860,7 +873,8 @@ def pick_opt_level(
     if device.type == "cuda":
         return "O2", f" (auto: GPU: half compute; {zero})"
     if half_dtype == "fp16":
-        return "O2", f" (auto: --half-dtype fp16 asked for; {zero})"
+        slow = _slow_half(device, "O2", "fp16", True)
+        return "O2", f" (auto: --half-dtype fp16 asked for; {zero}{slow})"
     if cpu_has_bf16() if bf16_units is None else bf16_units:
         return "O2", f" (auto: this CPU has bf16 units: bf16 compute; {zero})"
     no_units = (

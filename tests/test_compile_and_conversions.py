@@ -397,3 +397,27 @@ def test_fullgraph_with_the_overlapped_gather_says_what_to_change():
     for message in run_ranks(_fullgraph_with_overlap_gather, 2, timeout=120):
         assert message is not None, "expected torch's refusal"
         assert "overlap_gather=False" in message and "without fullgraph=True" in message, message
+
+
+class _Holder(nn.Module):  # the user's own attribute named like torch.compile's
+    def __init__(self):
+        super().__init__()
+        self._orig_mod = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self._orig_mod(x)
+
+
+def _save_a_holder(rank, world, directory):
+    model = nn.Sequential(_Holder())
+    model, opt = distamp.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0)
+    distamp.save_checkpoint(directory, model, opt)
+
+
+def test_a_module_attribute_named_orig_mod_keeps_its_name(tmp_path):
+    """Only torch.compile's wrapper loses its '_orig_mod.' in checkpoint names: a module of the
+    user's named so kept out of consolidate's names made them unloadable (a review)."""
+    run_ranks(_save_a_holder, 1, str(tmp_path / "c"))
+    weights = distamp.checkpoint.consolidate(tmp_path / "c")
+    assert sorted(weights) == ["0._orig_mod.bias", "0._orig_mod.weight"]
+    nn.Sequential(_Holder()).load_state_dict(weights)

@@ -121,3 +121,22 @@ def test_an_ignore_list_set_after_wrap_is_warned_about_once():
     assert len(warned) == 1 and "['expert.bias', 'expert.weight']" in warned[0]
     assert "name them to the list before wrap" in warned[0]
     assert others == []
+
+
+def _lists_differ(rank, world):
+    model = Moe(0)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, EXPERT if rank == 0 else [])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        distamp.wrap(model, opt, opt_level="O2", verbosity=0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_ignore_lists_are_refused_not_hung():
+    """The refusal above gathers by the ignore list's names: a rank listing none skipped the
+    gather while the other waited in it (a review). Every rank raises, naming the list."""
+    for message in run_ranks(_lists_differ, 2, timeout=60):
+        assert message is not None and "the ranks disagree" in message
+        assert "DDP's ignore list=['expert.bias', 'expert.weight']" in message, message

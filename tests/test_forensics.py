@@ -157,6 +157,35 @@ def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, culpri
         assert f"from rank {culprit}'s own gradients" in error, error
 
 
+def _origin_in_a_subgroup(rank, world):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, process_group=group)
+    ddp = DDP(model, process_group=group)
+    list(model.parameters())[-1].register_hook(lambda g: g * float("nan") if rank == 3 else g)
+    reports = []
+    for x, y in data(2, 4):
+        with distamp.scale_loss(F.mse_loss(ddp(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        reports.append(distamp.stats(opt).last_nonfinite)
+    return reports
+
+
+def test_the_origin_is_named_as_a_global_rank_under_a_process_group():
+    """Counted within wrap's process_group, the rank is said as dist.get_rank() numbers it."""
+    out = run_ranks(_origin_in_a_subgroup, 4, timeout=120)
+    assert out[0] == out[1] == [None, None]
+    for first, second in out[2:]:
+        assert first.origin is None and first.on_every_rank
+        assert second.origin == second.rank == 3 and "from rank 3's own" in str(second)
+
+
 def collectives_per_step(rank, world, reduce_scatter):
     """All-reduces issued inside optimizer.step() on a clean, a grad-overflow and a NaN-loss
     step, with what the skipped steps named; faults on rank 1 only (rank 0 holds no evidence)."""

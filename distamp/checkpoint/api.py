@@ -34,7 +34,7 @@ from .state import (
     OptimizerView,
     canonical_piece,
     check_plain,
-    checkpoint_key,
+    checkpoint_names,
     flat_masters,
     flat_starts,
     flat_state,
@@ -1066,7 +1066,8 @@ def _destination(manifest: dict[str, Any], target: _Target) -> tuple[dict[str, A
         with torch.no_grad():
             for i, model in enumerate(target.models):
                 prefix = f"model.{i}."
-                keys = {checkpoint_key(k): k for k in model.state_dict(keep_vars=True)}
+                named = checkpoint_names(model)
+                keys = {named(k): k for k in model.state_dict(keep_vars=True)}
                 model.load_state_dict(
                     {keys[k[len(prefix) :]]: v for k, v in loaded.items() if k.startswith(prefix)},
                     strict=True,

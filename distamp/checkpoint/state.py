@@ -27,6 +27,7 @@ failed load leaves the model and optimizer as they were.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,23 +102,45 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         return model
 
 
-def checkpoint_key(key: str) -> str:
-    """A state_dict key as checkpoints name it: without the ``_orig_mod`` segments of blocks
-    compiled one by one (``model.blocks[i] = torch.compile(model.blocks[i])``, torchtitan's
-    way), as DCP's ``get_model_state_dict`` names them, so that a checkpoint of such a model
-    loads into the plain one, and back (an audit: the plain model's load was refused)."""
-    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+def checkpoint_names(model: nn.Module) -> Callable[[str], str]:
+    """The function giving a ``model`` state_dict key as checkpoints name it: without the
+    ``_orig_mod`` segment of each block compiled one by one (``model.blocks[i] =
+    torch.compile(model.blocks[i])``, torchtitan's way), as DCP's ``get_model_state_dict``
+    names them, so that a checkpoint of such a model loads into the plain one, and back (an
+    audit: the plain model's load was refused). Only where the module is torch.compile's
+    wrapper: a module attribute of the user's that is named ``_orig_mod`` stays (a review)."""
+    compiled = {name for name, m in model.named_modules(remove_duplicate=False) if _is_compiled(m)}
+    if not compiled:
+        return lambda key: key
+
+    def name(key: str) -> str:
+        parts = key.split(".")
+        kept = [
+            part
+            for i, part in enumerate(parts)
+            if not (part == "_orig_mod" and ".".join(parts[:i]) in compiled)
+        ]
+        return ".".join(kept)
+
+    return name
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), nn.Module
+    )
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict(keep_vars=True)`` under the checkpoint's keys (:func:`checkpoint_key`)."""
+    """``model.state_dict(keep_vars=True)`` under the checkpoint's keys (:func:`checkpoint_names`)."""
+    name = checkpoint_names(model)
     out: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        if out.setdefault(checkpoint_key(key), value) is not value:
+        if out.setdefault(name(key), value) is not value:
             raise CheckpointError(
-                f"model state_dict keys {key!r} and another one both read "
-                f"{checkpoint_key(key)!r} without torch.compile's '_orig_mod.': expected keys "
-                "that differ by more than that (rename the module attribute named '_orig_mod')"
+                f"model state_dict keys {key!r} and another one both read {name(key)!r} "
+                "without torch.compile's '_orig_mod.': expected keys that differ by more than "
+                "that"
             )
     return out
 
@@ -149,8 +172,9 @@ def _name_params(
     for key, value in state.items():
         if isinstance(value, nn.Parameter):
             keyed.setdefault(id(value), key)
+    name = checkpoint_names(model)
     for pname, param in model.named_parameters():
-        pname = keyed.get(id(param), checkpoint_key(pname))
+        pname = keyed.get(id(param), name(pname))
         into.setdefault(id(param), pname if n_models == 1 else f"models[{index}].{pname}")
 
 
@@ -166,8 +190,9 @@ def model_entry(
     canonical: dict[int, str] = dict(names or {})
     state = model_state(model)
     _name_params(model, index, n_models, state, canonical)
+    name = checkpoint_names(model)
     aliases = {
-        checkpoint_key(pname): canonical[id(param)]
+        name(pname): canonical[id(param)]
         for pname, param in model.named_parameters(remove_duplicate=False)
     }
     for key, value in state.items():

@@ -264,25 +264,44 @@ def test_buffers_that_differ_between_ranks_resume_as_each_ranks_own(tmp_path, ho
     assert "every rank gets rank 0's" in warned[0]
 
 
-def _ignored_run(rank, world, directory, ignore):
-    model, opt, _ = make("O2", shard=False)
-    if ignore:
-        DDP._set_params_and_buffers_to_ignore_for_model(model, ["fc2.weight"])
+def _ignored_run(rank, world, directory, level, resume):
+    """fc2.weight left out of DDP's reduction (an expert per rank: it parts at the first step),
+    before wrap; trained 2 steps and saved, then 2 more (or a fresh model resumed for them)."""
+    model, opt, _ = make(level, shard=False)
+    if resume:  # another rank-local start, overwritten by the load
+        with torch.no_grad():
+            model.fc2.weight.add_(1.0)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["fc2.weight"])
     ddp = DDP(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(model, opt, None, rank, world, 0, 2, ddp=ddp)
-        distamp.save_checkpoint(directory, ddp, opt)
-    return [str(w.message) for w in caught if "which DDP ignores" in str(w.message)]
+        if resume:
+            distamp.load_checkpoint(directory, ddp, opt)
+        else:
+            train(model, opt, None, rank, world, 0, 2, ddp=ddp)
+            distamp.save_checkpoint(directory, ddp, opt)
+        train(model, opt, None, rank, world, 2, 4, ddp=ddp)
+    state = {k: v.float().clone() for k, v in model.state_dict().items()}
+    return state, [str(w.message) for w in caught if "other values on each" in str(w.message)]
 
 
-def test_parameters_ddp_ignores_that_differ_between_ranks_are_warned_about_at_save(tmp_path):
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_parameters_ddp_ignores_resume_as_each_ranks_own(tmp_path, level):
     """Unreduced (ignored) parameters differ between ranks by design (expert parallelism); the
-    checkpoint keeps one value of each, pieced from the ranks' replicated masters: not even rank
-    0 got its own back, silently (an audit). Every rank warns, naming them; nothing otherwise."""
-    for warned in run_ranks(_ignored_run, 2, str(tmp_path / "a"), True):
-        assert len(warned) == 1 and "['fc2.weight']" in warned[0], warned
-    assert run_ranks(_ignored_run, 2, str(tmp_path / "b"), False) == [[], []]
+    checkpoint kept one value of each, pieced from the ranks' replicated masters, so that not
+    even rank 0 got its own back (an audit). Now each rank's weight, FP32 master and AdamW
+    state go into its rank file: the resume continues each rank's own run, bit for bit; at
+    another world size every rank gets rank 0's, said once."""
+    directory = str(tmp_path / "c")
+    straight = run_ranks(_ignored_run, 2, directory, level, False)
+    resumed = run_ranks(_ignored_run, 2, directory, level, True)
+    assert not torch.equal(straight[0][0]["fc2.weight"], straight[1][0]["fc2.weight"])
+    for rank in range(2):
+        assert_same(straight[rank][0], resumed[rank][0], f"rank {rank}")
+        assert straight[rank][1] == resumed[rank][1] == []
+    ((_, warned),) = run_ranks(_ignored_run, 1, directory, level, True)
+    assert len(warned) == 1 and "['fc2.weight']" in warned[0], warned
+    assert "every rank gets rank 0's" in warned[0]
 
 
 # -- resharding ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from ..collectives import digest
 from ..config import disabled_group, disabled_properties
-from ..masters.layout import slice_state
+from ..masters.layout import detached_dense, slice_state
 from ..masters.optimizer import inner_optimizer
 from ..masters.sharded import ShardedMasterParams
 from ..optstate import OptState
@@ -221,17 +221,8 @@ def save_checkpoint(
     state_dict, manifest = agree(
         "save_checkpoint: collecting state", lambda: _collect(target, plain_extra, info), pg
     )
-    own, differ = _apart_between_ranks(target)
+    own = _apart_between_ranks(target)
     manifest["rank_buffers"] = sorted(own)
-    if differ:
-        warnings.warn(
-            f"save_checkpoint: parameters {differ[:4]}{' and more' if len(differ) > 4 else ''}, "
-            "which DDP ignores, hold other values on each rank, and a checkpoint keeps one value "
-            "of each (pieced from the ranks' copies, not any rank's own): expected them equal "
-            f"across the ranks (this is rank {target.rank}); save per-rank parameters in a "
-            "file of each rank's own",
-            stacklevel=2,
-        )
     try:
         shares = _write_into(tmp, directory, target, state_dict, own, pg)
     except BaseException as exc:
@@ -549,10 +540,11 @@ def _broadcasts_buffers(model: nn.Module) -> bool:
         model = inner
 
 
-def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Collective (one all-gather of digests): this rank's buffers whose values differ between
-    the ranks, by their key in the checkpoint, and the names of the parameters DDP ignores that
-    differ.
+def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
+    """Collective (one all-gather of digests): this rank's tensors whose values differ between
+    the ranks, by their key in the checkpoint (``key@start``: the stretch of a flat tensor that
+    starts there): buffers, and the parameters DDP ignores with their masters and optimizer
+    state.
 
     [Note: buffers that differ between ranks] The checkpoint holds rank 0's plain tensors, and
     every rank loads them. Where buffers are rank-local — BatchNorm statistics under FSDP (which
@@ -564,10 +556,12 @@ def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list
     broadcasts buffers (its next forward hands out rank 0's anyway).
 
     Parameters DDP was told to ignore may differ too (expert parallelism: each rank its own
-    experts), but a checkpoint holds one value of each — with replicated masters pieced from
-    the ranks' copies, so that not even rank 0 got its own back (an audit): the caller warns."""
+    experts). The checkpoint held one value of each — with replicated masters pieced from the
+    ranks' copies, so that not even rank 0 got its own back (an audit) — so they go into the
+    rank files too: the weight, its FP32 master and its optimizer state (sharded masters refuse
+    such parameters at wrap)."""
     if not target.distributed():
-        return {}, []
+        return {}
     buffers: dict[str, torch.Tensor] = {}
     for i, (model, synced) in enumerate(zip(target.models, target.synced_buffers, strict=True)):
         if synced:
@@ -590,7 +584,41 @@ def _apart_between_ranks(target: _Target) -> tuple[dict[str, torch.Tensor], list
     dist.all_gather_object(seen, digests, group=target.pg)
     apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
     own = {k: buffers[k] for kind, k in sorted(apart) if kind == "buffer"}
-    return own, [k for kind, k in sorted(apart) if kind == "param"]
+    parted = {k for kind, k in apart if kind == "param"}
+    if parted:
+        own |= _rank_local_params(target, {id(p) for k, p in params.items() if k in parted})
+    return own
+
+
+def _rank_local_params(target: _Target, ids: set[int]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of the parameters ``ids`` (see [Note: buffers that differ
+    between ranks]): the model's, the FP32 masters' stretch of a flat tensor, the state."""
+    out: dict[str, torch.Tensor] = {}
+    named = {i: n for i, n in target.names.items() if i in ids}
+    for i, model in enumerate(target.models):
+        for key, value in model_state(model).items():
+            if id(value) in ids:
+                out[f"model.{i}.{key}"] = value.detach()
+    mine = set(named.values())
+    for view in target.views:
+        o = view.index
+        for g, gv in enumerate(view.groups):
+            for name, tensor in gv.kept:
+                if name in mine:
+                    for k, v in kept_state(view.opt, tensor)[0].items():
+                        out[f"optim.{o}.p.{name}.{k}"] = v
+            flat = gv.flat
+            if flat is None or flat.sharded is not None:  # (sharded: refused at wrap)
+                continue
+            starts = flat_starts(flat.shapes)
+            for name, master, start in zip(flat.names, flat.masters, starts, strict=True):
+                if name not in mine:
+                    continue
+                out[f"optim.{o}.g{g}.master@{start}"] = master.detach().reshape(-1)
+                for k, v in view.opt.state.get(master, {}).items():
+                    if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() > 0:
+                        out[f"optim.{o}.g{g}.state.{k}@{start}"] = detached_dense(v).reshape(-1)
+    return out
 
 
 def _save_rng(tmp: Path, rank: int, buffers: dict[str, torch.Tensor]) -> None:
@@ -1089,15 +1117,16 @@ def _own_buffers_into(
     """Replace rank 0's values of the buffers that differed between the ranks at save with this
     rank's own (same world size), or warn that every rank gets rank 0's (see [Note: buffers
     that differ between ranks])."""
-    keys = [k for k in manifest.get("rank_buffers", []) if k in dest]
+    keys = [k for k in manifest.get("rank_buffers", []) if k.split("@")[0] in dest]
     if not keys:
         return
     if manifest["world_size"] != target.world:
         if target.rank == 0:
-            names = [k.split(".", 2)[2] for k in keys]
+            names = sorted({k.split(".", 2)[2] for k in keys if k.startswith("model.")})
             warnings.warn(
-                f"load_checkpoint: buffers {names[:4]}{' and more' if len(names) > 4 else ''} "
-                f"held other values on each of the {manifest['world_size']} ranks that saved "
+                f"load_checkpoint: {names[:4]}{' and more' if len(names) > 4 else ''} "
+                "(buffers, or parameters DDP ignores, with their optimizer state) held other "
+                f"values on each of the {manifest['world_size']} ranks that saved "
                 f"them; at world size {target.world} every rank gets rank 0's",
                 stacklevel=3,
             )
@@ -1106,9 +1135,15 @@ def _own_buffers_into(
     saved = torch.load(path, weights_only=True).get("buffers", {})
     for key in keys:
         value = saved.get(key)
-        if not isinstance(value, torch.Tensor) or value.shape != dest[key].shape:
-            raise CheckpointError(f"{path}: expected this rank's buffer {key!r}, found none")
-        dest[key] = value.to(dest[key].dtype)
+        base, _, start = key.partition("@")
+        size = value.numel() if isinstance(value, torch.Tensor) else 0
+        into = dest[base][int(start) : int(start) + size] if start else dest[base]
+        if not isinstance(value, torch.Tensor) or value.shape != into.shape:
+            raise CheckpointError(f"{path}: expected this rank's tensor {key!r}, found none")
+        if start:
+            into.copy_(value)
+        else:
+            dest[key] = value.to(dest[key].dtype)
 
 
 def _flat_device(flat: FlatGroup) -> torch.device:

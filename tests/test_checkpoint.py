@@ -1656,3 +1656,32 @@ def test_sparse_momentum_saves_and_resumes(tmp_path, level):
     ((straight, resumed),) = run_ranks(_sparse_resume, 1, str(tmp_path / "c"), level)
     for a, b in zip(straight, resumed, strict=True):
         torch.testing.assert_close(b, a, atol=2e-2 if level == "O3" else 1e-6, rtol=0)
+
+
+# -- torch's own checkpoint idiom ---------------------------------------------------------------
+
+
+def _dcp_get_state_dict(rank, world, level, shard, trained):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt, _ = make(level, shard=shard)
+    if trained:
+        train(model, opt, None, rank, world, 0, 1)
+    try:
+        get_state_dict(model, opt)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("level,shard,world", [("O2", None, 2), ("O2", False, 1), ("O0", True, 2)])
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "fresh"])
+def test_dcp_get_state_dict_over_masters_is_refused_by_name(level, shard, world, trained):
+    """DCP maps optimizer state to the model's parameter names; over FP32 masters or shards it
+    failed with a bare "KeyError: 0" inside torch, or (fresh: its placeholder step) distamp's
+    "no gradients" (an audit). Refused, naming what the optimizer steps and what to use."""
+    for message in run_ranks(_dcp_get_state_dict, world, level, shard, trained, timeout=120):
+        assert message is not None and "expected an optimizer that steps the model's own" in message
+        assert "distamp.save_checkpoint" in message
+        what = "FP32 master weights" if level == "O2" else "shards of the FP32 weights"
+        assert what in message, message

@@ -338,6 +338,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         A collective over the wrapped process group when distributed (one MAX all-reduce of the
         found-inf flags, none when another optimizer of the same losses already decided).
         """
+        _refuse_dcp_state_dict(self._distamp, sys._getframe(1))
         loss = None
         if holds_masters(self._distamp) and _read_by_torch_scaler_step(sys._getframe(1), 6):
             # An optimizer wrapper that does not forward _step_supports_amp_scaling (apex's
@@ -594,6 +595,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         at the same world size; :func:`distamp.save_checkpoint` writes one checkpoint for all.
         """
         st = self._distamp
+        _refuse_dcp_state_dict(st, sys._getframe(1))
         # see [Note: weights written after wrap]
         st.masters.take_written_weights(st.group.param_names)
         shard = _shard_of(st)
@@ -725,6 +727,33 @@ def _read_by_torch_scaler_step(frame: Any, depth: int = 4) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _refuse_dcp_state_dict(st: AmpOptimizerState, frame: Any, depth: int = 4) -> None:
+    """Raise when torch's ``get_state_dict``/``set_state_dict`` (read: a frame of
+    ``torch.distributed.checkpoint.state_dict`` just above) drive an optimizer whose param_groups
+    hold FP32 masters or shards, not the model's parameters: DCP maps optimizer state to the
+    model's parameter names, and failed with a bare ``KeyError: 0`` inside torch (an audit).
+    distamp.fsdp's optimizers step FSDP's own parameters: torch's idiom works there."""
+    if st.masters.fsdp or not (st.group.props.master_weights or st.masters.sharded):
+        return
+    for _ in range(depth):
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            what = (
+                "FP32 master weights (opt_level O2)"
+                if st.group.props.master_weights
+                else "shards of the FP32 weights (shard_master_weights=True)"
+            )
+            raise RuntimeError(
+                "torch.distributed.checkpoint.state_dict (get_state_dict/set_state_dict): "
+                "expected an optimizer that steps the model's own parameters, which DCP maps "
+                f"its state to by name; this one steps {what}, not the model's parameters. "
+                "Save and load with distamp.save_checkpoint / distamp.load_checkpoint (DCP "
+                "underneath, any world size), or wrap at O0/O1 without shard_master_weights"
+            )
+        frame = frame.f_back
 
 
 def _read_by_accelerate_prepare(frame: Any, depth: int = 3) -> bool:
@@ -927,6 +956,12 @@ def _shard_of(st: AmpOptimizerState) -> dict[str, int] | None:
     return {"rank": rank, "world_size": world, "block": int(getattr(st.masters, "block", 0))}
 
 
+def _sharded_what(st: AmpOptimizerState) -> str:
+    """What sharded masters hold: O2's FP32 masters, or O0/O1's own FP32 weights (an audit: the
+    messages said "masters" at O0, which has none)."""
+    return "FP32 masters" if st.group.props.master_weights else "FP32 weights"
+
+
 def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) -> None:
     """Once per optimizer: nanoGPT, timm, Lightning and accelerate save rank 0's state dict
     alone, and the other ranks' shards were lost unnoticed until the resume was refused (an
@@ -943,10 +978,15 @@ def _warn_state_dict_is_a_shard(st: AmpOptimizerState, shard: dict[str, int]) ->
             "saving and loading its own state_dict at the same world size"
         )
         return
+    why = (
+        "sharded masters are O2's default across ranks"
+        if st.group.props.master_weights
+        else "shard_master_weights=True"
+    )
     _warn(
-        f"optimizer.state_dict() on rank {shard['rank']}: it holds this rank's shard of the FP32 "
-        f"masters and optimizer state only (1 of {shard['world_size']}; sharded masters are "
-        "O2's default across ranks), so a checkpoint rank 0 saves alone cannot be resumed: the "
+        f"optimizer.state_dict() on rank {shard['rank']}: it holds this rank's shard of the "
+        f"{_sharded_what(st)} and optimizer state only (1 of {shard['world_size']}; {why}), so "
+        "a checkpoint rank 0 saves alone cannot be resumed: the "
         "other ranks' shards are not in it. Expected distamp.save_checkpoint(path, model, "
         "optimizer) on every rank (any world size on resume), or every rank saving and loading "
         "its own state_dict at the same world size, or wrap(..., shard_master_weights=False) "
@@ -994,16 +1034,16 @@ def _check_loadable(extra: dict[str, Any] | None, st: AmpOptimizerState) -> None
     if "shard" in extra and mine != theirs:  # (state dicts of distamp 0.1 do not say)
         fsdp = st.masters.fsdp
 
+        what = _sharded_what(st)
+
         def show(shard: dict[str, int] | None) -> str:
             if shard is None:
-                return "all FP32 masters (replicated)"
+                return f"all {what} (replicated)"
+            ranks = f"{shard['world_size']} rank{'s' if shard['world_size'] != 1 else ''}"
             if fsdp:  # FSDP's shards have no blocks
-                return f"rank {shard['rank']}'s FSDP shard of {shard['world_size']} ranks"
+                return f"rank {shard['rank']}'s FSDP shard of {ranks}"
             blocks = f" in blocks of {shard['block']}" if "block" in shard else " (contiguous)"
-            return (
-                f"rank {shard['rank']}'s shard of the FP32 masters of {shard['world_size']} ranks"
-                f"{blocks}"
-            )
+            return f"rank {shard['rank']}'s shard of the {what} of {ranks}{blocks}"
 
         model = getattr(st.masters, "model", lambda: None)()
         # (FSDP1's flat shards: distamp's checkpoints refuse them, an audit found this advice

@@ -37,6 +37,8 @@ class NonFiniteReport:
     """``on_every_rank``: the lowest rank whose *own* gradients (before DDP's all-reduce) held a
     non-finite value, where it was watched: at the steps after a skip whose origin was not known
     (see [Note: watching for the origin after a skip] in scaler.py)."""
+    origin_next: bool = False
+    """``on_every_rank`` without ``origin``: the next steps watch for it."""
     fp16_wire: bool = False
     """``on_every_rank`` with distamp's all-reduce hook in fp16: the sum may have overflowed on
     the wire (65504) with every rank's own gradient finite; which of the two is not known."""
@@ -77,8 +79,8 @@ class NonFiniteReport:
         if self.on_every_rank and self.origin is not None:
             return (
                 f"parameter {self.param!r} had {article} gradient on every rank after the "
-                f"gradients' all-reduce, which brought it from rank {self.origin}'s own "
-                "gradients (the lowest rank whose own held a non-finite value before it)"
+                f"gradients' all-reduce; rank {self.origin} is the lowest rank whose own "
+                "gradients held a non-finite value before it"
             )
         if self.on_every_rank:
             wire = (
@@ -90,7 +92,7 @@ class NonFiniteReport:
             return (
                 f"parameter {self.param!r} had {article} gradient on every rank (after the "
                 f"gradients' all-reduce every rank holds it: the rank it came from is not "
-                f"known{wire}; the next skipped steps name it)"
+                f"known{wire}{'; the next skipped steps name it' if self.origin_next else ''})"
             )
         if self.fp16_wire:  # one rank: its hook casts to fp16 all the same
             return (

@@ -408,6 +408,21 @@ def _slots_by_kind(blocks: list[Backward]) -> list[int]:
     return [slot[_kind(b)] for b in blocks]
 
 
+class _OriginWatch:
+    """A gradient hook feeding ``ScalerGroup.origin_watch`` (see [Note: watching for the origin
+    after a skip]); holds the group weakly, as BackwardSeen holds its optimizer."""
+
+    def __init__(self, group: ScalerGroup) -> None:
+        self.group = weakref.ref(group)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        group = self.group()
+        watch = group.origin_watch if group is not None else None
+        if watch is not None:
+            values = grad._values() if grad.is_sparse else grad
+            watch.logical_or_(~torch.isfinite(local_tensor(values)).all().to(watch.device))
+
+
 class ScalerGroup:
     """The loss scalers of one :func:`distamp.wrap` call and the per-step skip decision.
 
@@ -493,6 +508,8 @@ class ScalerGroup:
         self.origin_watch: torch.Tensor | None = None
         """Set after a skip whose report could not name the rank (see [Note: watching for the
         origin after a skip]): whether this rank's own gradients held a non-finite value."""
+        self._origin_hooks: list[Any] = []
+        """The gradient hooks that feed ``origin_watch`` while it is set."""
         self.ignored_at_wrap: frozenset[int] = frozenset()
         """ids on DDP's ignore list when wrap ran: left out of wrap's broadcast of rank 0's
         values (the others, named later, were not: see :meth:`ddp_ignored`)."""
@@ -530,6 +547,33 @@ class ScalerGroup:
                 )
                 self.ignored_at_wrap |= ids
         return self._ignored[1]
+
+    def _watch_origin(self, device: torch.device | None) -> None:
+        """[Note: watching for the origin after a skip] After DDP's all-reduce every rank holds
+        the summed gradient, so a non-finite one names no rank (DESIGN asks for the rank; an
+        audit: a NaN made on rank 1 read "on every rank ... not known", pointing at the fp16
+        wire). Watching each rank's own gradients costs a pass over them per backward, so it
+        starts only after such a skip (``device``: a fresh watch there; None: none): a hook on
+        each trainable parameter checks the gradient its backward produced, before it is
+        accumulated and before DDP sees it (the accumulated one may hold an earlier backward's
+        reduced sum: a review), and the next decisions name the lowest rank whose own held a
+        non-finite value (local_evidence). A clean step removes the hooks."""
+        if device is None:
+            for handle in self._origin_hooks:
+                handle.remove()
+            self._origin_hooks = []
+            self.origin_watch = None
+            return
+        self.origin_watch = torch.zeros((), dtype=torch.bool, device=device)
+        if self._origin_hooks:
+            return
+        hook = _OriginWatch(self)
+        seen: set[int] = set()
+        for st in self.optimizers:
+            for param in st.masters.model_params:
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self._origin_hooks.append(param.register_hook(hook))
 
     def nonfinite_weight(self) -> str | None:
         """The first parameter of the wrapped models holding inf/NaN on this rank, as "name
@@ -1020,19 +1064,16 @@ class ScalerGroup:
                 # one rank: the hook still casts its gradients to FP16 (an audit: a finite
                 # gradient the wire overflowed was named the rank's own)
                 report = dataclasses.replace(report, fp16_wire=True)
-            # [Note: watching for the origin after a skip] After DDP's all-reduce every rank
-            # holds the summed gradient, so a non-finite one names no rank (DESIGN asks for the
-            # rank; an audit: a NaN made on rank 1 read "on every rank ... not known", pointing
-            # at the fp16 wire). Watching each rank's own gradients costs a pass over them per
-            # backward, so it starts only after such a skip: each gradient is checked where it
-            # is accumulated, before DDP sees it (backward_reached), and the next decisions name
-            # the lowest rank whose own held one (local_evidence). A clean step ends it.
-            watch = report is not None and report.on_every_rank and report.loss_id is None
-            self.origin_watch = (
-                torch.zeros((), dtype=torch.bool, device=device)
-                if watch and self.world > 1
-                else None
+            watch = (
+                report is not None
+                and report.on_every_rank
+                and report.loss_id is None
+                and not st.masters.fsdp  # (FSDP's gradients: only their shards are seen)
+                and self.world > 1
             )
+            self._watch_origin(device if watch else None)
+            if watch and report is not None:
+                report = dataclasses.replace(report, origin_next=True)
             st.decision_report = report
             for block in undecided:
                 block.report = report

@@ -807,7 +807,7 @@ def _slow_half(
     if device.type == "cuda" or level == "O0" or (half != "fp16" and bf16_units):
         return ""
     name = "fp16" if half == "fp16" else "bf16"
-    return f"; {name} matmul runs ~100x slower than FP32 on this CPU ({advice} trains in FP32)"
+    return f"; {name} matmul runs ~100x slower than FP32 on this CPU: {advice} trains in FP32"
 
 
 def pick_opt_level(

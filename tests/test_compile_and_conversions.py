@@ -421,3 +421,27 @@ def test_a_module_attribute_named_orig_mod_keeps_its_name(tmp_path):
     weights = distamp.checkpoint.consolidate(tmp_path / "c")
     assert sorted(weights) == ["0._orig_mod.bias", "0._orig_mod.weight"]
     nn.Sequential(_Holder()).load_state_dict(weights)
+
+
+def _trace_with_the_gather_in_flight(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = net()
+    model, opt = distamp.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level="O2")
+    ddp = DDP(model)
+    state = distamp.hooks.register(ddp, opt, reduce_scatter=True, overlap_gather=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with distamp.scale_loss(F.mse_loss(ddp(x).float(), torch.zeros(4, 2)), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,))  # the first forward waits for the gather
+        state.finish_gather()
+        return torch.equal(traced(x), model(x))
+
+
+def test_jit_trace_right_after_step_under_overlap_gather():
+    """torch.jit.trace checks its trace by tracing twice: the profiler name around the gather's
+    wait was in the first graph only ("Graphs differed across invocations"; an audit)."""
+    assert run_ranks(_trace_with_the_gather_in_flight, 2, timeout=120) == [True, True]

@@ -110,7 +110,7 @@ def test_the_rank_a_nan_came_from_is_named_or_said_to_be_unknown():
         assert "on every rank" in str(report) and "is not known" in str(report), str(report)
 
 
-def nan_grads_then_clean(rank, world, register, culprit):
+def nan_grads_then_clean(rank, world, register, culprit, micro=1):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = distamp.wrap(model, opt, opt_level="O2", verbosity=0, max_consecutive_skips=4)
@@ -121,9 +121,11 @@ def nan_grads_then_clean(rank, world, register, culprit):
     list(model.parameters())[-1].register_hook(lambda g: g * float("nan") if fault["on"] else g)
     reports, watching = [], []
     for step, (x, y) in enumerate(data(5, 4 * world)):
-        fault["on"] = rank == culprit and step < 2
-        with distamp.scale_loss(F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4]), opt) as sc:
-            sc.backward()
+        for m in range(micro):  # synced micro-batches: the 2nd adds to a reduced NaN sum
+            fault["on"] = rank == culprit and step < 2 and m == 0
+            loss = F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[:4])
+            with distamp.scale_loss(loss, opt) as sc:
+                sc.backward()
         opt.step()
         opt.zero_grad()
         stats = distamp.stats(opt)
@@ -139,22 +141,28 @@ def nan_grads_then_clean(rank, world, register, culprit):
     return reports, watching, str(err.value)
 
 
-@pytest.mark.parametrize("register", [False, True], ids=["DDP's all-reduce", "distamp's hook"])
+@pytest.mark.parametrize(
+    "register,micro",
+    [(False, 1), (True, 1), (False, 2)],
+    ids=["DDP's all-reduce", "distamp's hook", "two synced backwards"],
+)
 @pytest.mark.parametrize("culprit", [0, 1])
-def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, culprit):
+def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, micro, culprit):
     """Through an all-reduce every rank holds the NaN, and the rank was "not known" (an audit:
     the error after max_consecutive_skips named no rank, where DESIGN asks for it). After such a
     skip each rank watches its own gradients before DDP sees them: the next skips, and the
     error, name the culprit; a clean step ends the watch."""
     for reports, watching, error in run_ranks(
-        nan_grads_then_clean, 2, register, culprit, timeout=120
+        nan_grads_then_clean, 2, register, culprit, micro, timeout=120
     ):
         assert reports[0] is not None and "is not known" in reports[0], reports
         assert "the next skipped steps name it" in reports[0]
-        assert reports[1] is not None and f"from rank {culprit}'s own gradients" in reports[1]
+        assert (
+            reports[1] is not None and f"rank {culprit} is the lowest rank whose own" in reports[1]
+        )
         assert reports[2:] == [None, None, None]
         assert watching == [True, True, False, False, False]
-        assert f"from rank {culprit}'s own gradients" in error, error
+        assert f"rank {culprit} is the lowest rank whose own" in error, error
 
 
 def _origin_in_a_subgroup(rank, world):
@@ -183,7 +191,7 @@ def test_the_origin_is_named_as_a_global_rank_under_a_process_group():
     assert out[0] == out[1] == [None, None]
     for first, second in out[2:]:
         assert first.origin is None and first.on_every_rank
-        assert second.origin == second.rank == 3 and "from rank 3's own" in str(second)
+        assert second.origin == second.rank == 3 and "rank 3 is the lowest" in str(second)
 
 
 def collectives_per_step(rank, world, reduce_scatter):

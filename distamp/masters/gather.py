@@ -251,8 +251,17 @@ class WeightGather:
                 return
             works = self.pending[g]
             for j in range(self.waited[g], min(rounds, len(works))):
-                # named for torch.profiler: the forward (or the step) waits for the wire here
-                with torch.autograd.profiler.record_function("distamp: wait for the weight gather"):
+                # named for torch.profiler: the forward (or the step) waits for the wire here;
+                # not in a torch.jit.trace, whose check traces twice and found the name in the
+                # first graph only ("Graphs differed across invocations"; an audit)
+                named = (
+                    contextlib.nullcontext()
+                    if torch.jit.is_tracing()
+                    else torch.autograd.profiler.record_function(
+                        "distamp: wait for the weight gather"
+                    )
+                )
+                with named:
                     works[j].wait()
                 if self.pending_updates:
                     self._apply_updates(g, j)

@@ -1242,14 +1242,10 @@ class BackwardSeen:
     def __init__(self, st: AmpOptimizerState) -> None:
         self.st = weakref.ref(st)
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def __call__(self, _: torch.Tensor) -> None:
         st = self.st()
         if st is not None:
             backward_reached(st)
-            watch = st.group.origin_watch  # see [Note: watching for the origin after a skip]
-            if watch is not None and param.grad is not None:
-                grad = param.grad._values() if param.grad.is_sparse else param.grad
-                watch.logical_or_(~torch.isfinite(local_tensor(grad)).all().to(watch.device))
 
 
 def _refuse_or_warn_unlisted(st: AmpOptimizerState) -> None:

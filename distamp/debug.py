@@ -22,13 +22,23 @@ class NonFiniteModule:
     kind: str
     """"nan" if an output held a NaN, else "inf"."""
     inputs_finite: bool
-    """Whether all of its floating-point inputs were finite (False: the problem came from upstream
-    or from the data)."""
+    """Whether all of its floating-point inputs were finite (False: the problem came from upstream,
+    from the data, or from a tensor of ``nonfinite_tensors``)."""
+    nonfinite_tensors: tuple[str, ...] = ()
+    """The model's parameters and buffers that held inf/NaN before the forward, by name: a
+    parameter a parent's own forward uses directly (ViT's ``pos_embed``, a layer-scale
+    ``gamma``) is seen by no module hook, and the first module to output its NaN was named as
+    if its inputs came from upstream (an audit)."""
 
     def __str__(self) -> str:
         where = f"module {self.name!r}" if self.name else "the model"
         source = "from finite inputs" if self.inputs_finite else "from inputs already non-finite"
-        return f"{where} ({self.type}) produced {self.kind} {source}"
+        held = ""
+        if self.nonfinite_tensors:
+            names = list(self.nonfinite_tensors[:4])
+            more = " and more" if len(self.nonfinite_tensors) > 4 else ""
+            held = f"; the model's own tensors held non-finite values before it ran: {names}{more}"
+        return f"{where} ({self.type}) produced {self.kind} {source}{held}"
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -66,6 +76,11 @@ def find_nonfinite(model: nn.Module, *args: Any, **kwargs: Any) -> NonFiniteModu
         model = model.module
     found: list[NonFiniteModule] = []
     names = {id(m): n for n, m in model.named_modules()}
+    held = tuple(
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if (tensor.is_floating_point() or tensor.is_complex()) and _kind([tensor.detach()])
+    )
 
     def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if found:
@@ -79,6 +94,7 @@ def find_nonfinite(model: nn.Module, *args: Any, **kwargs: Any) -> NonFiniteModu
                     kind=kind,
                     # keyword inputs too (an attention mask: an audit said "from finite inputs")
                     inputs_finite=_kind(_tensors((args, kwargs))) is None,
+                    nonfinite_tensors=held,
                 )
             )
 

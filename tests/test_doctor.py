@@ -42,14 +42,40 @@ def test_check_finds_a_layernorm_eps_that_fp16_rounds_to_0_where_the_norm_may_ru
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-12), nn.Linear(8, 2))
     for level in ("O1", "O3"):
         findings = distamp.doctor.check(model, opt_level=level, half_dtype=torch.float16)
-        assert [f.module for f in findings] == ["1"]
-        assert "eps=1e-12 rounds to 0 in torch.float16" in findings[0].why
+        # (O3 adds one finding for the model: it casts the norms O2 keeps FP32)
+        assert [f.module for f in findings] == (["1"] if level == "O1" else ["1", ""])
+        assert "eps=1e-12 is too small for torch.float16: it rounds to 0" in findings[0].why
+        # torch's kernels compute in FP32; the backward's 1/sqrt(eps) leaves fp16 (an audit)
+        assert "1/sqrt(eps) = 1e+06 leaves torch.float16's range" in findings[0].why
         assert "eps >=" in findings[0].fix
     # O2 keeps norms FP32; 1e-5 is an fp16 subnormal, not 0; bf16 has FP32's exponent range.
     assert distamp.doctor.check(model, opt_level="O2", half_dtype=torch.float16) == []
     common = nn.Sequential(nn.LayerNorm(8, eps=1e-5))
-    assert distamp.doctor.check(common, opt_level="O3", half_dtype=torch.float16) == []
-    assert distamp.doctor.check(model, opt_level="O3", half_dtype=torch.bfloat16) == []
+    (o3,) = distamp.doctor.check(common, opt_level="O3", half_dtype=torch.float16)
+    assert "O3 casts the norm layers O2 keeps FP32 to torch.float16: ['0']" in o3.why
+    assert "keep_batchnorm_fp32=True" in o3.fix
+    assert [f.module for f in distamp.doctor.check(model, "O3", torch.bfloat16)] == [""]
+    # at O1 on CUDA autocast runs torch's layer_norm in FP32 (an audit: flagged there)
+    on_cuda = distamp.doctor.check(model, "O1", torch.float16, device_type="cuda")
+    assert [f.module for f in on_cuda if "eps" in f.why] == []
+
+
+def test_check_names_the_tables_o3_casts():
+    """Llama's rotary inv_freq, cast at O3 (O2 keeps it FP32), rotates wrong at long positions
+    (an audit: cos off by 1.4 at position 4000 in bf16): named at O3 only."""
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(nn.Linear(8, 8), Rotary())
+    (o3,) = distamp.doctor.check(model, "O3", torch.bfloat16)
+    assert "parameter-free modules' buffers O2 keeps FP32 to torch.bfloat16: ['1']" in o3.why
+    assert distamp.doctor.check(model, "O2", torch.bfloat16) == []
 
 
 def test_kept_fp32_lists_the_norms_wrap_recognized_and_changes_nothing():

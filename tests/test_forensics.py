@@ -323,6 +323,29 @@ def test_find_nonfinite_names_the_first_module_and_changes_nothing():
     assert distamp.debug.find_nonfinite(nn.Linear(3, 1), torch.randn(2, 3)) is None
 
 
+class _PosEmbed(nn.Module):  # ViT's way: a parameter the model's own forward adds
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(3))
+        self.proj = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.proj(self.drop(x + self.pos))
+
+
+def test_find_nonfinite_names_a_parameter_the_models_own_forward_uses():
+    """A NaN in a parameter used between the submodules was blamed on the next module, "from
+    inputs already non-finite", with finite data (an audit): the tensors are named too."""
+    model = _PosEmbed()
+    with torch.no_grad():
+        model.pos[1] = float("nan")
+    found = distamp.debug.find_nonfinite(model, torch.randn(2, 3))
+    assert found is not None and found.name == "drop" and not found.inputs_finite
+    assert found.nonfinite_tensors == ("pos",)
+    assert "the model's own tensors held non-finite values before it ran: ['pos']" in str(found)
+
+
 # -- soak -------------------------------------------------------------------------------------------
 
 SOAK_STEPS = 1000

@@ -48,6 +48,7 @@ _WIDTHS: dict[type, tuple[str, ...]] = {
     nn.Conv2d: ("in_channels", "out_channels"),
 }
 _RISKY_IN_HALF = (nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.MSELoss, nn.NLLLoss)
+_TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm)
 
 
 def check(
@@ -78,15 +79,39 @@ def check(
     for name, module in model.named_modules():
         eps = getattr(module, "eps", None)
         flushes = isinstance(eps, float) and eps > 0 and float(torch.tensor(eps, dtype=half)) == 0
-        if level in ("O1", "O3") and is_norm(module) and flushes:
+        # torch's own norm kernels compute in FP32 inside (the eps is not rounded there), but the
+        # backward of a constant input scales by 1/sqrt(eps), which must fit the half dtype with
+        # some room (an audit: eps=1e-9 gave inf gradients in fp16, 1e-8 did not)
+        inverse = eps**-0.5 if isinstance(eps, float) and eps > 0 else 0.0
+        overflows = inverse > info.max / 4
+        # O1 on CUDA: autocast runs torch's layer_norm/group_norm in FP32 (on CPU it does not)
+        autocast_fp32 = level == "O1" and device == "cuda" and isinstance(module, _TORCH_NORMS)
+        if (
+            level in ("O1", "O3")
+            and is_norm(module)
+            and (flushes or overflows)
+            and not autocast_fp32
+        ):
+            how = (
+                [
+                    f"it rounds to 0 in {half} (its smallest number is {smallest:.3g}): a norm "
+                    f"computed in {half} (a custom norm class) divides by ~0 for a constant input"
+                ]
+                if flushes
+                else []
+            )
+            if overflows:
+                how.append(
+                    f"1/sqrt(eps) = {inverse:.3g} leaves {half}'s range (largest "
+                    f"{info.max:.3g}) in the backward of a (near-)constant input: inf/NaN "
+                    "gradients"
+                )
             findings.append(
                 Finding(
                     module=name,
-                    why=(
-                        f"{type(module).__name__} eps={eps:g} rounds to 0 in {half} (its smallest "
-                        f"number is {smallest:.3g}): computed in {half}, the norm of a constant "
-                        "input divides by ~0 (inf/NaN)."
-                    ),
+                    why=f"{type(module).__name__} eps={eps:g} is too small for {half}: "
+                    + "; ".join(how)
+                    + ".",
                     fix="use eps >= 1e-6 (1e-5 is common) or keep this layer FP32 (O2 keeps norms "
                     "FP32; keep_fp32_modules at any level).",
                 )
@@ -139,7 +164,40 @@ def check(
                     "compute it on model outputs (which O2 returns in FP32).",
                 )
             )
+    if level == "O3":
+        findings += _cast_at_o3(model, half)
     return findings
+
+
+def _cast_at_o3(model: nn.Module, half: torch.dtype) -> list[Finding]:
+    """What O3 casts that O2 keeps FP32: norm layers (their statistics: an audit measured fp16
+    BatchNorm giving inf/NaN gradients in timm's EfficientNet where O2's did not) and tables of
+    parameter-free modules (Llama's rotary inv_freq: cos off by 1.4 at position 4000 in bf16)."""
+    props = resolve_properties("O2", device_type="cpu", half_dtype=half)
+    names = {id(m): n or "<model>" for n, m in model.named_modules()}
+    kept = [m for m in plan_precision([model], props).fp32_modules if id(m) in names]
+    norms = [names[id(m)] for m in kept if is_norm(m)]
+    tables = [names[id(m)] for m in kept if not is_norm(m)]
+    out = []
+    for found, what in ((norms, "norm layers"), (tables, "parameter-free modules' buffers")):
+        if found:
+            listed = f"{found[:4]}{' and more' if len(found) > 4 else ''}"
+            out.append(
+                Finding(
+                    module="",
+                    why=f"O3 casts the {what} O2 keeps FP32 to {half}: {listed}"
+                    + (
+                        " (statistics and their updates in the half dtype: overflow in fp16, "
+                        "updates rounding away in bf16)."
+                        if what == "norm layers"
+                        else " (rotary and position tables lose the precision their angles need "
+                        "at long positions)."
+                    ),
+                    fix="train O2, or keep them FP32 at O3: keep_batchnorm_fp32=True (norms), "
+                    "keep_fp32_modules=[...] (any module).",
+                )
+            )
+    return out
 
 
 _FFT_CALL = re.compile(r"\b(?:fft|ifft|rfft|irfft|hfft|ihfft)(?:2|n)?\s*\(|\bstft\s*\(")

@@ -845,6 +845,27 @@ def _warn_about_hf_fp32_modules(models: list[nn.Module], plan: PrecisionPlan, ap
     """Hugging Face keeps some modules FP32 in a half model (``_keep_in_fp32_modules``: T5's
     ``wo``, MoE routers); O2 casts them like the rest, silently (an audit: T5's ``wo`` overflowed
     in fp16, HF's clamp hid it, the loss drifted)."""
+    found, listed = hf_fp32_params(models, plan)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        warn_from_caller(
+            f"{api}: Hugging Face keeps {sorted(listed)} FP32 in half precision "
+            f"(_keep_in_fp32_modules), cast to {plan.half_dtype} here: {found[:3]}{more}. "
+            + HF_FP32_ADVICE
+        )
+
+
+HF_FP32_ADVICE = (
+    "In fp16 they may overflow (T5's wo). O1 keeps every weight FP32; bf16 has FP32's range. "
+    "keep_fp32_modules keeps them FP32 at O2, but their FP32 outputs then flow on: where the "
+    "caller casts up before such a module (T5 before wo), the residual stream turns FP32 and "
+    "the half layers after the next norm refuse it"
+)
+
+
+def hf_fp32_params(models: list[nn.Module], plan: PrecisionPlan) -> tuple[list[str], set[str]]:
+    """The parameters ``plan`` casts that Hugging Face's ``_keep_in_fp32_modules`` lists, and
+    the listed names that matched."""
     found: list[str] = []
     listed: set[str] = set()
     for model in models:
@@ -858,16 +879,7 @@ def _warn_about_hf_fp32_modules(models: list[nn.Module], plan: PrecisionPlan, ap
             if id(param) in plan.cast_params and names & set(name.split(".")):
                 found.append(name)
                 listed |= names & set(name.split("."))
-    if found:
-        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        warn_from_caller(
-            f"{api}: Hugging Face keeps {sorted(listed)} FP32 in half precision "
-            f"(_keep_in_fp32_modules), cast to {plan.half_dtype} here: {found[:3]}{more}. In "
-            "fp16 they may overflow (T5's wo). O1 keeps every weight FP32; bf16 has FP32's range. "
-            "keep_fp32_modules keeps them FP32 at O2, but their FP32 outputs then flow on: "
-            "where the caller casts up before such a module (T5 before wo), the residual stream "
-            "turns FP32 and the half layers after the next norm refuse it"
-        )
+    return found, listed
 
 
 def warn_about_plan(

@@ -613,6 +613,11 @@ def test_modules_hugging_face_keeps_fp32_are_named_when_o2_casts_them(opt_level)
         assert named == []
     else:
         assert len(named) == 1 and "['wo']" in named[0] and "'wo.weight'" in named[0], named
+    # the doctor says it before wrap (an audit: check() was silent)
+    said = [f.why for f in distamp.doctor.check(_T5Like(), opt_level, torch.float16)]
+    hf = [w for w in said if "_keep_in_fp32_modules" in w]
+    assert hf == ([] if opt_level == "O1" else [hf[0]]), said
+    assert opt_level == "O1" or "O2 casts them to torch.float16: ['wo.weight'" in hf[0]
 
 
 @pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import is_norm, plan_precision, resolve_fp32_modules
+from ..casting import HF_FP32_ADVICE, hf_fp32_params, is_norm, plan_precision, resolve_fp32_modules
 from ..config import check_opt_level, parse_half_dtype, resolve_properties
 
 
@@ -166,6 +166,19 @@ def check(
             )
     if level == "O3":
         findings += _cast_at_o3(model, half)
+    if level in ("O2", "O3"):
+        props = resolve_properties(level, device_type=device, half_dtype=half)
+        found, listed = hf_fp32_params([model], plan_precision([model], props))
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            findings.append(
+                Finding(
+                    module="",
+                    why=f"Hugging Face keeps {sorted(listed)} FP32 in half precision "
+                    f"(_keep_in_fp32_modules); {level} casts them to {half}: {found[:3]}{more}.",
+                    fix=HF_FP32_ADVICE + ".",
+                )
+            )
     return findings
 
 

@@ -510,6 +510,8 @@ class ScalerGroup:
         origin after a skip]): whether this rank's own gradients held a non-finite value."""
         self._origin_hooks: list[Any] = []
         """The gradient hooks that feed ``origin_watch`` while it is set."""
+        self._origin_owner: int | None = None
+        """id of the optimizer state whose skip started the watch."""
         self.ignored_at_wrap: frozenset[int] = frozenset()
         """ids on DDP's ignore list when wrap ran: left out of wrap's broadcast of rank 0's
         values (the others, named later, were not: see :meth:`ddp_ignored`)."""
@@ -548,7 +550,7 @@ class ScalerGroup:
                 self.ignored_at_wrap |= ids
         return self._ignored[1]
 
-    def _watch_origin(self, device: torch.device | None) -> None:
+    def _watch_origin(self, device: torch.device | None, owner: int | None = None) -> None:
         """[Note: watching for the origin after a skip] After DDP's all-reduce every rank holds
         the summed gradient, so a non-finite one names no rank (DESIGN asks for the rank; an
         audit: a NaN made on rank 1 read "on every rank ... not known", pointing at the fp16
@@ -557,13 +559,16 @@ class ScalerGroup:
         each trainable parameter checks the gradient its backward produced, before it is
         accumulated and before DDP sees it (the accumulated one may hold an earlier backward's
         reduced sum: a review), and the next decisions name the lowest rank whose own held a
-        non-finite value (local_evidence). A clean step removes the hooks."""
+        non-finite value (local_evidence). A clean step of the optimizer that started it
+        (``owner``), or a NonFiniteGradientError, removes the hooks."""
         if device is None:
             for handle in self._origin_hooks:
                 handle.remove()
             self._origin_hooks = []
             self.origin_watch = None
+            self._origin_owner = None
             return
+        self._origin_owner = owner
         self.origin_watch = torch.zeros((), dtype=torch.bool, device=device)
         if self._origin_hooks:
             return
@@ -826,6 +831,7 @@ class ScalerGroup:
             scaler.skipped_at_floor
         ):
             return
+        self._watch_origin(None)  # (a caller that catches it and reloads pays no more)
         raise NonFiniteGradientError(
             f"loss {j}: {scaler.consecutive_skips} consecutive batches were discarded or "
             "skipped (gradients cleared after the skip decision) with overflowing gradients "
@@ -1071,7 +1077,10 @@ class ScalerGroup:
                 and not st.masters.fsdp  # (FSDP's gradients: only their shards are seen)
                 and self.world > 1
             )
-            self._watch_origin(device if watch else None)
+            # (the optimizer that started it ends it: another's clean step did, and with two
+            # optimizers deciding apart the rank was never named; a review)
+            if watch or self._origin_owner in (None, id(st)):
+                self._watch_origin(device if watch else None, id(st))
             if watch and report is not None:
                 report = dataclasses.replace(report, origin_next=True)
             st.decision_report = report
@@ -1575,6 +1584,7 @@ class ScalerGroup:
             # audit). Counted here, against the same limit.
             self.unscaled_skips += 1
             if self.unscaled_skips >= limit:
+                self._watch_origin(None)
                 raise NonFiniteGradientError(
                     f"{self.unscaled_skips} consecutive optimizer steps were skipped after "
                     f"backwards outside distamp.scale_loss (no loss scale to lower): {what}. Look "
@@ -1632,6 +1642,7 @@ class ScalerGroup:
                     )
                 else:
                     advice = f"Lowering the loss scale does not fix this; {where}"
+                self._watch_origin(None)
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. {advice} (max_consecutive_skips / "
                     "min_loss_scale set this limit)"

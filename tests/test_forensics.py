@@ -165,6 +165,32 @@ def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, micro,
         assert f"rank {culprit} is the lowest rank whose own" in error, error
 
 
+def _origin_with_two_optimizers(rank, world):
+    models = [mlp(seed=1), mlp(seed=2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    models, opts = distamp.wrap(models, opts, opt_level="O2", num_losses=2, verbosity=0)
+    ddps = [DDP(m) for m in models]
+    bad = list(models[0].parameters())[-1]
+    bad.register_hook(lambda g: g * float("nan") if rank == 1 else g)
+    reports = []
+    for x, y in data(3, 4):
+        for i in (0, 1):  # each optimizer decides on its own; model 1's steps are clean
+            with distamp.scale_loss(F.mse_loss(ddps[i](x), y), opts[i], loss_id=i) as scaled:
+                scaled.backward()
+            opts[i].step()
+            opts[i].zero_grad()
+        reports.append(str(distamp.stats(opts[0]).last_nonfinite))
+    return reports
+
+
+def test_the_origin_watch_outlives_another_optimizers_clean_step():
+    """The watch was one per wrap: the second optimizer's clean step ended the one the first
+    optimizer's skip started, and the rank was never named (a review)."""
+    for reports in run_ranks(_origin_with_two_optimizers, 2, timeout=120):
+        assert "not known" in reports[0], reports
+        assert all("rank 1 is the lowest rank whose own" in r for r in reports[1:]), reports
+
+
 def _origin_in_a_subgroup(rank, world):
     import torch.distributed as dist
 

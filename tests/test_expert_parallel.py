@@ -140,3 +140,30 @@ def test_ranks_with_different_ignore_lists_are_refused_not_hung():
     for message in run_ranks(_lists_differ, 2, timeout=60):
         assert message is not None and "the ranks disagree" in message
         assert "DDP's ignore list=['expert.bias', 'expert.weight']" in message, message
+
+
+def _ignored_buffer_resume(rank, world, directory):
+    def make(value):
+        model = Moe(rank)
+        model.register_buffer("rb", torch.full((3,), value))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [*EXPERT, "rb"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = distamp.wrap(model, opt, opt_level="O1", verbosity=0)
+        return model, opt, DDP(model)  # broadcasts buffers, but not the ignored one
+
+    model, opt, ddp = make(float(rank))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with distamp.scale_loss(ddp(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(directory, ddp, opt)
+    again, again_opt, again_ddp = make(-1.0)
+    distamp.load_checkpoint(directory, again_ddp, again_opt)
+    return again.rb.tolist(), torch.equal(again.expert.weight, model.expert.weight)
+
+
+def test_each_ranks_ignored_buffer_and_expert_resume_as_its_own(tmp_path):
+    """A buffer on DDP's ignore list stays each rank's own under a DDP that broadcasts the
+    others: it was left out of the rank files, and came back as rank 0's (a review)."""
+    out = run_ranks(_ignored_buffer_resume, 2, str(tmp_path / "c"), timeout=120)
+    assert out == [([0.0] * 3, True), ([1.0] * 3, True)]

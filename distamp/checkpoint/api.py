@@ -26,6 +26,7 @@ from ..masters.layout import detached_dense, slice_state
 from ..masters.optimizer import inner_optimizer
 from ..masters.sharded import ShardedMasterParams
 from ..optstate import OptState
+from ..wrap import ddp_ignored_tensors
 from . import files, metadata
 from .files import CheckpointError, PathLike, agree
 from .state import (
@@ -564,10 +565,12 @@ def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
         return {}
     buffers: dict[str, torch.Tensor] = {}
     for i, (model, synced) in enumerate(zip(target.models, target.synced_buffers, strict=True)):
-        if synced:
-            continue
-        # By identity, under their state_dict keys (a CheckpointWrapper renames those).
+        # By identity, under their state_dict keys (a CheckpointWrapper renames those); where
+        # DDP broadcasts buffers, the ones on its ignore list only (it leaves them alone: a
+        # review found a rank-local one resumed as rank 0's)
         ids = {id(b) for b in model.buffers()}
+        if synced:
+            ids &= set(ddp_ignored_tensors([model]))
         for key, value in model_state(model).items():
             if id(value) in ids and not is_dtensor(value):
                 buffers[f"model.{i}.{key}"] = value.detach()
@@ -578,16 +581,13 @@ def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
         for p in model.parameters()
         if id(p) in ignored
     }
-    digests = {("buffer", k): digest(v) for k, v in buffers.items()}
-    digests |= {("param", k): digest(v) for k, v in params.items()}
+    digests = {k: digest(v) for k, v in buffers.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)
-    apart = {key for key, d in digests.items() if any(other.get(key) != d for other in seen)}
-    own = {k: buffers[k] for kind, k in sorted(apart) if kind == "buffer"}
-    parted = {k for kind, k in apart if kind == "param"}
-    if parted:
-        own |= _rank_local_params(target, {id(p) for k, p in params.items() if k in parted})
-    return own
+    own = {k: v for k, v in buffers.items() if any(o.get(k) != digests[k] for o in seen)}
+    # Every parameter DDP ignores, equal or not: their FP32 masters and optimizer state may
+    # differ where the weights do not yet (a fine-tune's small steps in bf16; a review)
+    return own | _rank_local_params(target, {id(p) for p in params.values()})
 
 
 def _rank_local_params(target: _Target, ids: set[int]) -> dict[str, torch.Tensor]:
@@ -1120,30 +1120,19 @@ def _own_buffers_into(
     keys = [k for k in manifest.get("rank_buffers", []) if k.split("@")[0] in dest]
     if not keys:
         return
+    rank = target.rank
     if manifest["world_size"] != target.world:
-        if target.rank == 0:
-            names = sorted({k.split(".", 2)[2] for k in keys if k.startswith("model.")})
+        rank = 0
+        names = sorted({k.split(".", 2)[2] for k in keys if k.startswith("model.")})
+        if target.rank == 0 and names:
             warnings.warn(
                 f"load_checkpoint: {names[:4]}{' and more' if len(names) > 4 else ''} "
-                "(buffers, or parameters DDP ignores, with their optimizer state) held other "
-                f"values on each of the {manifest['world_size']} ranks that saved "
-                f"them; at world size {target.world} every rank gets rank 0's",
+                "(buffers that held other values on each rank, or parameters DDP ignores, with "
+                f"their optimizer state) were saved by each of the {manifest['world_size']} "
+                f"ranks; at world size {target.world} every rank gets rank 0's",
                 stacklevel=3,
             )
-        return
-    path = directory / f"rng-{target.rank}.pt"
-    saved = torch.load(path, weights_only=True).get("buffers", {})
-    for key in keys:
-        value = saved.get(key)
-        base, _, start = key.partition("@")
-        size = value.numel() if isinstance(value, torch.Tensor) else 0
-        into = dest[base][int(start) : int(start) + size] if start else dest[base]
-        if not isinstance(value, torch.Tensor) or value.shape != into.shape:
-            raise CheckpointError(f"{path}: expected this rank's tensor {key!r}, found none")
-        if start:
-            into.copy_(value)
-        else:
-            dest[key] = value.to(dest[key].dtype)
+    files.apply_rank_tensors(dest, keys, directory / f"rng-{rank}.pt")
 
 
 def _flat_device(flat: FlatGroup) -> torch.device:

@@ -458,3 +458,25 @@ def manifest_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in the manifest")
     return dtype
+
+
+def apply_rank_tensors(dest: dict[str, Any], keys: list[str], path: Path) -> None:
+    """Put one rank's tensors of its rank file (``path``) into ``dest`` (see [Note: buffers that
+    differ between ranks] in api.py): a whole tensor by key, or ``key@start``, the stretch of a
+    flat tensor that starts there (a replicated one, read whole: a sharded one's pieces are
+    skipped, sharded masters refuse rank-local parameters)."""
+    saved = torch.load(path, weights_only=True).get("buffers", {})
+    for key in keys:
+        value = saved.get(key)
+        base, _, start = key.partition("@")
+        target = dest[base]
+        if start and type(target) is not torch.Tensor:  # a DTensor piece: another layout
+            continue
+        size = value.numel() if isinstance(value, torch.Tensor) else 0
+        into = target[int(start) : int(start) + size] if start else target
+        if not isinstance(value, torch.Tensor) or value.shape != into.shape:
+            raise CheckpointError(f"{path}: expected the rank's tensor {key!r}, found none")
+        if start:
+            into.copy_(value)
+        else:
+            dest[key] = value.to(target.dtype)

@@ -18,6 +18,8 @@ from .state import flat_starts, installed_keys, numel
 
 
 def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
+    """``dest`` read from the checkpoint's files, and tensors each rank saved of its own as rank
+    0 saved them (a review: a parameter DDP ignores came out pieced from the ranks' copies)."""
     manifest = files.read_manifest(directory)
     files.verify_share(directory, manifest["files"], 0, 1)
     metadata.read(directory)  # a clear error before DCP's
@@ -28,6 +30,9 @@ def _read_offline(directory: Path, dest: dict[str, Any]) -> None:
             planner=metadata.Planner(),
             no_dist=True,
         )
+    keys = [k for k in manifest.get("rank_buffers", []) if k.split("@")[0] in dest]
+    if keys:
+        files.apply_rank_tensors(dest, keys, directory / "rng-0.pt")
 
 
 def consolidate(directory: PathLike, model_index: int = 0) -> dict[str, torch.Tensor]:

@@ -409,16 +409,19 @@ def _slots_by_kind(blocks: list[Backward]) -> list[int]:
 
 
 class _OriginWatch:
-    """A gradient hook feeding ``ScalerGroup.origin_watch`` (see [Note: watching for the origin
-    after a skip]); holds the group weakly, as BackwardSeen holds its optimizer."""
+    """A gradient hook feeding one optimizer's flag of ``ScalerGroup.origin_watches`` (see
+    [Note: watching for the origin after a skip]); holds the group weakly, as BackwardSeen
+    holds its optimizer."""
 
-    def __init__(self, group: ScalerGroup) -> None:
+    def __init__(self, group: ScalerGroup, key: int) -> None:
         self.group = weakref.ref(group)
+        self.key = key
 
     def __call__(self, grad: torch.Tensor) -> None:
         group = self.group()
-        watch = group.origin_watch if group is not None else None
-        if watch is not None:
+        watched = group.origin_watches.get(self.key) if group is not None else None
+        if watched is not None:
+            watch = watched[0]
             values = grad._values() if grad.is_sparse else grad
             watch.logical_or_(~torch.isfinite(local_tensor(values)).all().to(watch.device))
 
@@ -505,13 +508,10 @@ class ScalerGroup:
         self.fp16_wire = False
         """A distamp hook sends fp16 (all-reduce or reduce-scatter): sums may overflow there."""
         self._ignored: tuple[tuple[int, ...], frozenset[int]] = ((), frozenset())
-        self.origin_watch: torch.Tensor | None = None
-        """Set after a skip whose report could not name the rank (see [Note: watching for the
-        origin after a skip]): whether this rank's own gradients held a non-finite value."""
-        self._origin_hooks: list[Any] = []
-        """The gradient hooks that feed ``origin_watch`` while it is set."""
-        self._origin_owner: int | None = None
-        """id of the optimizer state whose skip started the watch."""
+        self.origin_watches: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        """id(optimizer state) -> (whether this rank's own gradients of its parameters held a
+        non-finite value, the hooks that feed it): set after a skip of that optimizer whose
+        report could not name the rank (see [Note: watching for the origin after a skip])."""
         self.ignored_at_wrap: frozenset[int] = frozenset()
         """ids on DDP's ignore list when wrap ran: left out of wrap's broadcast of rank 0's
         values (the others, named later, were not: see :meth:`ddp_ignored`)."""
@@ -550,35 +550,31 @@ class ScalerGroup:
                 self.ignored_at_wrap |= ids
         return self._ignored[1]
 
-    def _watch_origin(self, device: torch.device | None, owner: int | None = None) -> None:
+    def _watch_origin(self, st: AmpOptimizerState | None, device: torch.device | None) -> None:
         """[Note: watching for the origin after a skip] After DDP's all-reduce every rank holds
         the summed gradient, so a non-finite one names no rank (DESIGN asks for the rank; an
         audit: a NaN made on rank 1 read "on every rank ... not known", pointing at the fp16
         wire). Watching each rank's own gradients costs a pass over them per backward, so it
-        starts only after such a skip (``device``: a fresh watch there; None: none): a hook on
-        each trainable parameter checks the gradient its backward produced, before it is
-        accumulated and before DDP sees it (the accumulated one may hold an earlier backward's
-        reduced sum: a review), and the next decisions name the lowest rank whose own held a
-        non-finite value (local_evidence). A clean step of the optimizer that started it
-        (``owner``), or a NonFiniteGradientError, removes the hooks."""
+        starts only after such a skip of an optimizer (``device``: a fresh watch of ``st``
+        there; None: ``st``'s ends; ``st`` None: every one ends, at a NonFiniteGradientError):
+        a hook on each of its trainable parameters checks the gradient its backward produced,
+        before it is accumulated and before DDP sees it (the accumulated one may hold an earlier
+        backward's reduced sum: a review), and its next decisions name the lowest rank whose own
+        held a non-finite value (local_evidence). One flag per optimizer: another optimizer's
+        gradients, or its clean step, neither marks nor ends it (a review)."""
+        keys = list(self.origin_watches) if st is None else [id(st)]
         if device is None:
-            for handle in self._origin_hooks:
-                handle.remove()
-            self._origin_hooks = []
-            self.origin_watch = None
-            self._origin_owner = None
+            for key in keys:
+                for handle in self.origin_watches.pop(key, (None, []))[1]:
+                    handle.remove()
             return
-        self._origin_owner = owner
-        self.origin_watch = torch.zeros((), dtype=torch.bool, device=device)
-        if self._origin_hooks:
-            return
-        hook = _OriginWatch(self)
-        seen: set[int] = set()
-        for st in self.optimizers:
-            for param in st.masters.model_params:
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    self._origin_hooks.append(param.register_hook(hook))
+        assert st is not None
+        old = self.origin_watches.get(id(st))
+        hooks = old[1] if old is not None else []
+        if not hooks:
+            hook = _OriginWatch(self, id(st))
+            hooks = [p.register_hook(hook) for p in st.masters.model_params if p.requires_grad]
+        self.origin_watches[id(st)] = (torch.zeros((), dtype=torch.bool, device=device), hooks)
 
     def nonfinite_weight(self) -> str | None:
         """The first parameter of the wrapped models holding inf/NaN on this rank, as "name
@@ -831,7 +827,7 @@ class ScalerGroup:
             scaler.skipped_at_floor
         ):
             return
-        self._watch_origin(None)  # (a caller that catches it and reloads pays no more)
+        self._watch_origin(None, None)  # (a caller that catches it and reloads pays no more)
         raise NonFiniteGradientError(
             f"loss {j}: {scaler.consecutive_skips} consecutive batches were discarded or "
             "skipped (gradients cleared after the skip decision) with overflowing gradients "
@@ -945,7 +941,13 @@ class ScalerGroup:
 
             loss_kinds = [b.loss_kind for b in undecided]
             evidence_here = local_evidence(
-                slots, loss_kinds, n_params, named, self.rank, self.world, self.origin_watch
+                slots,
+                loss_kinds,
+                n_params,
+                named,
+                self.rank,
+                self.world,
+                self.origin_watches.get(id(st), (None,))[0],
             )
             parts.append(evidence_here.to(device))
             # 2: gradients a backward added after DDP reduced them; 1: edited before unscale_
@@ -1077,10 +1079,7 @@ class ScalerGroup:
                 and not st.masters.fsdp  # (FSDP's gradients: only their shards are seen)
                 and self.world > 1
             )
-            # (the optimizer that started it ends it: another's clean step did, and with two
-            # optimizers deciding apart the rank was never named; a review)
-            if watch or self._origin_owner in (None, id(st)):
-                self._watch_origin(device if watch else None, id(st))
+            self._watch_origin(st, device if watch else None)
             if watch and report is not None:
                 report = dataclasses.replace(report, origin_next=True)
             st.decision_report = report
@@ -1584,7 +1583,7 @@ class ScalerGroup:
             # audit). Counted here, against the same limit.
             self.unscaled_skips += 1
             if self.unscaled_skips >= limit:
-                self._watch_origin(None)
+                self._watch_origin(None, None)
                 raise NonFiniteGradientError(
                     f"{self.unscaled_skips} consecutive optimizer steps were skipped after "
                     f"backwards outside distamp.scale_loss (no loss scale to lower): {what}. Look "
@@ -1642,7 +1641,7 @@ class ScalerGroup:
                     )
                 else:
                     advice = f"Lowering the loss scale does not fix this; {where}"
-                self._watch_origin(None)
+                self._watch_origin(None, None)
                 raise NonFiniteGradientError(
                     f"loss {j}: {reason}: {what}. {advice} (max_consecutive_skips / "
                     "min_loss_scale set this limit)"

@@ -54,6 +54,7 @@ def test_check_finds_a_layernorm_eps_that_fp16_rounds_to_0_where_the_norm_may_ru
     (o3,) = distamp.doctor.check(common, opt_level="O3", half_dtype=torch.float16)
     assert "O3 casts the norm layers O2 keeps FP32 to torch.float16: ['0']" in o3.why
     assert "keep_batchnorm_fp32=True" in o3.fix
+    assert distamp.doctor.check(common, "O3", torch.float16, keep_batchnorm_fp32=True) == []
     assert [f.module for f in distamp.doctor.check(model, "O3", torch.bfloat16)] == [""]
     # at O1 on CUDA autocast runs torch's layer_norm in FP32 (an audit: flagged there)
     on_cuda = distamp.doctor.check(model, "O1", torch.float16, device_type="cuda")

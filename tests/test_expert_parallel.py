@@ -167,3 +167,32 @@ def test_each_ranks_ignored_buffer_and_expert_resume_as_its_own(tmp_path):
     others: it was left out of the rank files, and came back as rank 0's (a review)."""
     out = run_ranks(_ignored_buffer_resume, 2, str(tmp_path / "c"), timeout=120)
     assert out == [([0.0] * 3, True), ([1.0] * 3, True)]
+
+
+def _resume_into_sharded(rank, world, directory):
+    model = Moe(rank)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, EXPERT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = distamp.wrap(model, opt, opt_level="O2", shard_master_weights=False, verbosity=0)
+    ddp = DDP(model)
+    with distamp.scale_loss(ddp(torch.randn(4, 8)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    distamp.save_checkpoint(directory, ddp, opt)
+    fresh = Moe(0)  # the same start on every rank: sharded masters take it
+    DDP._set_params_and_buffers_to_ignore_for_model(fresh, EXPERT)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh, fresh_opt = distamp.wrap(fresh, fresh_opt, opt_level="O2", verbosity=0)
+    try:
+        distamp.load_checkpoint(directory, DDP(fresh), fresh_opt)
+    except distamp.checkpoint.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_each_ranks_own_experts_are_not_loaded_into_sharded_masters(tmp_path):
+    """Loaded into sharded masters, a rank's own expert landed in whichever rank's shard held
+    it, from whichever rank's copy DCP wrote (a review: rank 0 got rank 1's, silently)."""
+    for message in run_ranks(_resume_into_sharded, 2, str(tmp_path / "c"), timeout=120):
+        assert message is not None and "each rank's own FP32 masters" in message, message
+        assert "shard_master_weights=False" in message

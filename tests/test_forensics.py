@@ -130,7 +130,7 @@ def nan_grads_then_clean(rank, world, register, culprit, micro=1):
         opt.zero_grad()
         stats = distamp.stats(opt)
         reports.append(str(stats.last_nonfinite) if stats.last_step_skipped else None)
-        watching.append(opt._distamp.group.origin_watch is not None)
+        watching.append(id(opt._distamp) in opt._distamp.group.origin_watches)
     fault["on"] = rank == culprit
     with pytest.raises(distamp.NonFiniteGradientError) as err:
         for x, y in data(4, 4 * world):
@@ -165,28 +165,40 @@ def test_the_steps_after_a_skip_name_the_rank_the_nan_came_from(register, micro,
         assert f"rank {culprit} is the lowest rank whose own" in error, error
 
 
-def _origin_with_two_optimizers(rank, world):
+def _origin_with_two_optimizers(rank, world, interleaved):
     models = [mlp(seed=1), mlp(seed=2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     models, opts = distamp.wrap(models, opts, opt_level="O2", num_losses=2, verbosity=0)
     ddps = [DDP(m) for m in models]
-    bad = list(models[0].parameters())[-1]
-    bad.register_hook(lambda g: g * float("nan") if rank == 1 else g)
+    step = {"n": 0}
+    list(models[0].parameters())[-1].register_hook(  # rank 1's NaN, every step
+        lambda g: g * float("nan") if rank == 1 else g
+    )
+    list(models[1].parameters())[-1].register_hook(  # rank 0's, at step 1 only
+        lambda g: g * float("nan") if rank == 0 and step["n"] == 1 and interleaved else g
+    )
     reports = []
-    for x, y in data(3, 4):
-        for i in (0, 1):  # each optimizer decides on its own; model 1's steps are clean
+    for n, (x, y) in enumerate(data(3, 4)):
+        step["n"] = n
+        for i in (0, 1) if interleaved else ():  # every backward, then every step
             with distamp.scale_loss(F.mse_loss(ddps[i](x), y), opts[i], loss_id=i) as scaled:
                 scaled.backward()
+        for i in (0, 1):
+            if not interleaved:  # each optimizer's backward and step in turn
+                with distamp.scale_loss(F.mse_loss(ddps[i](x), y), opts[i], loss_id=i) as scaled:
+                    scaled.backward()
             opts[i].step()
             opts[i].zero_grad()
         reports.append(str(distamp.stats(opts[0]).last_nonfinite))
     return reports
 
 
-def test_the_origin_watch_outlives_another_optimizers_clean_step():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["in turn", "backwards first"])
+def test_each_optimizers_origin_watch_is_its_own(interleaved):
     """The watch was one per wrap: the second optimizer's clean step ended the one the first
-    optimizer's skip started, and the rank was never named (a review)."""
-    for reports in run_ranks(_origin_with_two_optimizers, 2, timeout=120):
+    optimizer's skip started, and the rank was never named; its gradients marked the first's
+    watch too, and rank 0 was named for rank 1's NaN (reviews)."""
+    for reports in run_ranks(_origin_with_two_optimizers, 2, interleaved, timeout=120):
         assert "not known" in reports[0], reports
         assert all("rank 1 is the lowest rank whose own" in r for r in reports[1:]), reports
 

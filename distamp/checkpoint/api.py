@@ -581,13 +581,13 @@ def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
         for p in model.parameters()
         if id(p) in ignored
     }
-    digests = {k: digest(v) for k, v in buffers.items()}
+    # The parameters DDP ignores by each of their tensors: their FP32 masters and optimizer
+    # state may differ where the weights do not yet (a fine-tune's small steps in bf16; a review)
+    candidates = buffers | _rank_local_params(target, {id(p) for p in params.values()})
+    digests = {k: digest(v) for k, v in candidates.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)
-    own = {k: v for k, v in buffers.items() if any(o.get(k) != digests[k] for o in seen)}
-    # Every parameter DDP ignores, equal or not: their FP32 masters and optimizer state may
-    # differ where the weights do not yet (a fine-tune's small steps in bf16; a review)
-    return own | _rank_local_params(target, {id(p) for p in params.values()})
+    return {k: v for k, v in candidates.items() if any(o.get(k) != digests[k] for o in seen)}
 
 
 def _rank_local_params(target: _Target, ids: set[int]) -> dict[str, torch.Tensor]:
@@ -1120,19 +1120,18 @@ def _own_buffers_into(
     keys = [k for k in manifest.get("rank_buffers", []) if k.split("@")[0] in dest]
     if not keys:
         return
-    rank = target.rank
-    if manifest["world_size"] != target.world:
-        rank = 0
-        names = sorted({k.split(".", 2)[2] for k in keys if k.startswith("model.")})
-        if target.rank == 0 and names:
-            warnings.warn(
-                f"load_checkpoint: {names[:4]}{' and more' if len(names) > 4 else ''} "
-                "(buffers that held other values on each rank, or parameters DDP ignores, with "
-                f"their optimizer state) were saved by each of the {manifest['world_size']} "
-                f"ranks; at world size {target.world} every rank gets rank 0's",
-                stacklevel=3,
-            )
-    files.apply_rank_tensors(dest, keys, directory / f"rng-{rank}.pt")
+    other_world = manifest["world_size"] != target.world
+    files.apply_rank_tensors(dest, keys, directory / f"rng-{0 if other_world else target.rank}.pt")
+    names = sorted({k.split(".", 2)[2] for k in keys if k.startswith("model.")})
+    names = names or ["the FP32 masters and optimizer state of parameters DDP ignores"]
+    if other_world and target.rank == 0:
+        warnings.warn(
+            f"load_checkpoint: {names[:4]}{' and more' if len(names) > 4 else ''} (buffers, "
+            "or parameters DDP ignores and their masters and optimizer state) held other values "
+            f"on each of the {manifest['world_size']} ranks that saved them; at world size "
+            f"{target.world} every rank gets rank 0's",
+            stacklevel=3,
+        )
 
 
 def _flat_device(flat: FlatGroup) -> torch.device:

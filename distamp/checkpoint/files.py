@@ -463,15 +463,22 @@ def manifest_dtype(name: str) -> torch.dtype:
 def apply_rank_tensors(dest: dict[str, Any], keys: list[str], path: Path) -> None:
     """Put one rank's tensors of its rank file (``path``) into ``dest`` (see [Note: buffers that
     differ between ranks] in api.py): a whole tensor by key, or ``key@start``, the stretch of a
-    flat tensor that starts there (a replicated one, read whole: a sharded one's pieces are
-    skipped, sharded masters refuse rank-local parameters)."""
+    flat tensor that starts there (a replicated one, read whole)."""
     saved = torch.load(path, weights_only=True).get("buffers", {})
     for key in keys:
         value = saved.get(key)
         base, _, start = key.partition("@")
         target = dest[base]
-        if start and type(target) is not torch.Tensor:  # a DTensor piece: another layout
-            continue
+        if start and type(target) is not torch.Tensor:
+            # This run's masters are sharded: the stretch would land in whichever rank's shard
+            # holds it, from whichever rank's copy DCP wrote (a review: rank 0 got rank 1's
+            # expert, silently). As wrap refuses rank-local parameters in sharded masters:
+            raise CheckpointError(
+                f"{path.parent}: the checkpoint holds each rank's own FP32 masters of parameters "
+                f"DDP ignores ({key.split('@')[0]}), saved with replicated masters; expected "
+                "this run's masters replicated too (sharded ones cannot hold a rank's own "
+                "expert): wrap with shard_master_weights=False"
+            )
         size = value.numel() if isinstance(value, torch.Tensor) else 0
         into = target[int(start) : int(start) + size] if start else target
         if not isinstance(value, torch.Tensor) or value.shape != into.shape:

@@ -56,8 +56,10 @@ def check(
     opt_level: str = "O2",
     half_dtype: Any = "auto",
     device_type: str | None = None,
+    keep_batchnorm_fp32: bool | None = None,
 ) -> list[Finding]:
     """The precision risks of ``model`` at ``opt_level`` (apex's levels), before wrapping it.
+    ``keep_batchnorm_fp32``: as passed to ``wrap`` (True at O3: the norms stay FP32).
 
     * a normalization eps that rounds to 0 in the half dtype (LayerNorm eps=1e-12 in FP16: a norm
       computed there divides by ~0 for a constant input) — reported under O1 and O3, where a norm
@@ -165,7 +167,7 @@ def check(
                 )
             )
     if level == "O3":
-        findings += _cast_at_o3(model, half)
+        findings += _cast_at_o3(model, half, norms_kept=bool(keep_batchnorm_fp32))
     if level in ("O2", "O3"):
         props = resolve_properties(level, device_type=device, half_dtype=half)
         found, listed = hf_fp32_params([model], plan_precision([model], props))
@@ -182,14 +184,14 @@ def check(
     return findings
 
 
-def _cast_at_o3(model: nn.Module, half: torch.dtype) -> list[Finding]:
+def _cast_at_o3(model: nn.Module, half: torch.dtype, *, norms_kept: bool) -> list[Finding]:
     """What O3 casts that O2 keeps FP32: norm layers (their statistics: an audit measured fp16
     BatchNorm giving inf/NaN gradients in timm's EfficientNet where O2's did not) and tables of
     parameter-free modules (Llama's rotary inv_freq: cos off by 1.4 at position 4000 in bf16)."""
     props = resolve_properties("O2", device_type="cpu", half_dtype=half)
     names = {id(m): n or "<model>" for n, m in model.named_modules()}
     kept = [m for m in plan_precision([model], props).fp32_modules if id(m) in names]
-    norms = [names[id(m)] for m in kept if is_norm(m)]
+    norms = [] if norms_kept else [names[id(m)] for m in kept if is_norm(m)]
     tables = [names[id(m)] for m in kept if not is_norm(m)]
     out = []
     for found, what in ((norms, "norm layers"), (tables, "parameter-free modules' buffers")):
@@ -200,7 +202,8 @@ def _cast_at_o3(model: nn.Module, half: torch.dtype) -> list[Finding]:
                     module="",
                     why=f"O3 casts the {what} O2 keeps FP32 to {half}: {listed}"
                     + (
-                        " (statistics and their updates in the half dtype: overflow in fp16, "
+                        " (their mean and variance computed in the half dtype: they overflow "
+                        "in fp16; BatchNorm's running statistics update in it too, their small "
                         "updates rounding away in bf16)."
                         if what == "norm layers"
                         else " (rotary and position tables lose the precision their angles need "

@@ -553,14 +553,14 @@ def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
     statistics (an audit: rank 1's running_mean 1.7e-2 off the uninterrupted run's), breaking
     the bit-exact resume. So the ranks compare a digest of each buffer, and each rank writes
     the ones that differ into its own rank file, restored at the same world size; at another
-    world size every rank takes rank 0's, with a warning naming them. Not for a DDP that
-    broadcasts buffers (its next forward hands out rank 0's anyway).
+    world size every rank takes rank 0's, with a warning naming them. Of a DDP that broadcasts
+    buffers only those on its ignore list (its next forward hands out rank 0's of the others).
 
     Parameters DDP was told to ignore may differ too (expert parallelism: each rank its own
     experts). The checkpoint held one value of each — with replicated masters pieced from the
-    ranks' copies, so that not even rank 0 got its own back (an audit) — so they go into the
-    rank files too: the weight, its FP32 master and its optimizer state (sharded masters refuse
-    such parameters at wrap)."""
+    ranks' copies, so that not even rank 0 got its own back (an audit) — so their tensors that
+    differ go into the rank files too: the weight, its FP32 master, its optimizer state
+    (sharded masters refuse such parameters, at wrap and at load)."""
     if not target.distributed():
         return {}
     buffers: dict[str, torch.Tensor] = {}
@@ -575,15 +575,9 @@ def _apart_between_ranks(target: _Target) -> dict[str, torch.Tensor]:
             if id(value) in ids and not is_dtensor(value):
                 buffers[f"model.{i}.{key}"] = value.detach()
     ignored = target.scaler_group.ddp_ignored() if target.scaler_group is not None else set()
-    params = {
-        target.names.get(id(p), "?"): p
-        for model in target.models
-        for p in model.parameters()
-        if id(p) in ignored
-    }
     # The parameters DDP ignores by each of their tensors: their FP32 masters and optimizer
     # state may differ where the weights do not yet (a fine-tune's small steps in bf16; a review)
-    candidates = buffers | _rank_local_params(target, {id(p) for p in params.values()})
+    candidates = buffers | _rank_local_params(target, set(ignored))
     digests = {k: digest(v) for k, v in candidates.items()}
     seen: list[Any] = [None] * target.world
     dist.all_gather_object(seen, digests, group=target.pg)

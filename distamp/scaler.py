@@ -576,6 +576,12 @@ class ScalerGroup:
             hooks = [p.register_hook(hook) for p in st.masters.model_params if p.requires_grad]
         self.origin_watches[id(st)] = (torch.zeros((), dtype=torch.bool, device=device), hooks)
 
+    def _origin_of(self, involved: list[AmpOptimizerState]) -> torch.Tensor | None:
+        """Whether this rank's own gradients of ``involved`` held a non-finite value, where any of
+        them is watched (see [Note: watching for the origin after a skip]); None: none is."""
+        flags = [self.origin_watches[id(u)][0] for u in involved if id(u) in self.origin_watches]
+        return torch.stack(flags).any() if flags else None
+
     def nonfinite_weight(self) -> str | None:
         """The first parameter of the wrapped models holding inf/NaN on this rank, as "name
         holds inf", or None (only when explaining an error: it reads every weight)."""
@@ -947,7 +953,7 @@ class ScalerGroup:
                 named,
                 self.rank,
                 self.world,
-                self.origin_watches.get(id(st), (None,))[0],
+                self._origin_of(involved),
             )
             parts.append(evidence_here.to(device))
             # 2: gradients a backward added after DDP reduced them; 1: edited before unscale_
@@ -1079,7 +1085,8 @@ class ScalerGroup:
                 and not st.masters.fsdp  # (FSDP's gradients: only their shards are seen)
                 and self.world > 1
             )
-            self._watch_origin(st, device if watch else None)
+            for u in involved:  # (a block listing several optimizers decides them together)
+                self._watch_origin(u, device if watch else None)
             if watch and report is not None:
                 report = dataclasses.replace(report, origin_next=True)
             st.decision_report = report

@@ -203,6 +203,34 @@ def test_each_optimizers_origin_watch_is_its_own(interleaved):
         assert all("rank 1 is the lowest rank whose own" in r for r in reports[1:]), reports
 
 
+def _origin_in_a_block_of_two_optimizers(rank, world):
+    models = [mlp(seed=1), mlp(seed=2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    models, opts = distamp.wrap(models, opts, opt_level="O2", verbosity=0)
+    ddps = [DDP(m) for m in models]
+    list(models[1].parameters())[-1].register_hook(  # the second optimizer's, rank 1 only
+        lambda g: g * float("nan") if rank == 1 else g
+    )
+    reports = []
+    for x, y in data(2, 4):
+        loss = F.mse_loss(ddps[0](x), y) + F.mse_loss(ddps[1](x), y)
+        with distamp.scale_loss(loss, opts) as scaled:  # one block decides both
+            scaled.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        reports.append(str(distamp.stats(opts[1]).last_nonfinite))
+    return reports
+
+
+def test_a_block_of_two_optimizers_watches_both():
+    """One decision covers every optimizer a block lists, but the watch went on the first one's
+    parameters only, and a NaN in the second's was never traced to its rank (a review)."""
+    for reports in run_ranks(_origin_in_a_block_of_two_optimizers, 2, timeout=120):
+        assert "not known" in reports[0], reports
+        assert "rank 1 is the lowest rank whose own" in reports[1], reports
+
+
 def _origin_in_a_subgroup(rank, world):
     import torch.distributed as dist
 

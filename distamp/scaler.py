@@ -579,6 +579,8 @@ class ScalerGroup:
     def _origin_of(self, involved: list[AmpOptimizerState]) -> torch.Tensor | None:
         """Whether this rank's own gradients of ``involved`` held a non-finite value, where any of
         them is watched (see [Note: watching for the origin after a skip]); None: none is."""
+        if not self.origin_watches:
+            return None
         flags = [self.origin_watches[id(u)][0] for u in involved if id(u) in self.origin_watches]
         return torch.stack(flags).any() if flags else None
 
@@ -1085,8 +1087,9 @@ class ScalerGroup:
                 and not st.masters.fsdp  # (FSDP's gradients: only their shards are seen)
                 and self.world > 1
             )
-            for u in involved:  # (a block listing several optimizers decides them together)
-                self._watch_origin(u, device if watch else None)
+            if watch or self.origin_watches:  # (nothing to do on a clean run)
+                for u in involved:  # (a block listing several optimizers decides them together)
+                    self._watch_origin(u, device if watch else None)
             if watch and report is not None:
                 report = dataclasses.replace(report, origin_next=True)
             st.decision_report = report

@@ -198,11 +198,15 @@ class _AbstractNet(abc.ABC, nn.Module):  # ABC first: many research codebases' b
     def forward(self, x): ...
 
 
+def _add_layers(model):
+    model.fc = nn.Linear(8, 8)
+    model.ln = nn.LayerNorm(8)
+
+
 class _ConcreteNet(_AbstractNet):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.ln = nn.LayerNorm(8)
+        _add_layers(self)
 
     def forward(self, x):
         return self.ln(self.fc(x))
@@ -214,11 +218,9 @@ _T = typing.TypeVar("_T")
 class _GenericNet(typing.Generic[_T], nn.Module):  # a typed model (Generic first, as ABC)
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.ln = nn.LayerNorm(8)
+        _add_layers(self)
 
-    def forward(self, x):
-        return self.ln(self.fc(x))
+    forward = _ConcreteNet.forward
 
 
 @pytest.mark.parametrize("cls", [_ConcreteNet, _GenericNet], ids=["ABC", "Generic"])

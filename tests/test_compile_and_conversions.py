@@ -59,6 +59,16 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_plain_one_and_back(tmp_
     assert sorted(names) == sorted(net().state_dict())
 
 
+def _train_three_steps(run, opt, rank):
+    """Three steps of ``run`` (a DDP, compiled or not) on each rank's own batches."""
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        with distamp.scale_loss(F.mse_loss(run(x).float(), torch.zeros(4, 2)), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _blocks_compiled_save_plain_load(rank, world, directory, saved_compiled):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -75,12 +85,7 @@ def _blocks_compiled_save_plain_load(rank, world, directory, saved_compiled):
 
     model, opt = make(saved_compiled)
     ddp = DDP(model)
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        with distamp.scale_loss(F.mse_loss(ddp(x).float(), torch.zeros(4, 2)), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _train_three_steps(ddp, opt, rank)
     distamp.save_checkpoint(directory, ddp, opt)
     other, other_opt = make(not saved_compiled)
     distamp.load_checkpoint(directory, other, other_opt)
@@ -114,12 +119,7 @@ def _register_through_compile(rank, world, compiled):
     ddp = DDP(model)
     run = torch.compile(ddp, backend="eager") if compiled else ddp
     state = distamp.hooks.register(run, opt, reduce_scatter=True, overlap_gather=True)
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        with distamp.scale_loss(F.mse_loss(run(x).float(), torch.zeros(4, 2)), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _train_three_steps(run, opt, rank)
     state.finish_gather()  # the last step's weights (else gathered in the next forward)
     return [p.detach().float().clone() for p in model.parameters()]
 

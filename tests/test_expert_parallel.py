@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from asserts import backward
 from dist_harness import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,12 +42,7 @@ def _train(rank, world, level, kwargs, amp):
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-        loss = F.mse_loss(ddp(x).float(), y)
-        if amp:
-            with distamp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        else:
-            loss.backward()
+        backward(F.mse_loss(ddp(x).float(), y), opt if amp else None)
         opt.step()
         opt.zero_grad()
     final = {k: v.detach().float().clone() for k, v in model.named_parameters()}

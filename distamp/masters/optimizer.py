@@ -338,7 +338,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         A collective over the wrapped process group when distributed (one MAX all-reduce of the
         found-inf flags, none when another optimizer of the same losses already decided).
         """
-        _refuse_dcp_state_dict(self._distamp, sys._getframe(1))
+        if not self.state:  # DCP's placeholder step runs only on an optimizer without state
+            _refuse_dcp_state_dict(self._distamp, sys._getframe(1))
         loss = None
         if holds_masters(self._distamp) and _read_by_torch_scaler_step(sys._getframe(1), 6):
             # An optimizer wrapper that does not forward _step_supports_amp_scaling (apex's
